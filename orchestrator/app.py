@@ -1,0 +1,97 @@
+"""Builds the Ray Serve application of a topology: one deployment per pool behind the gateway.
+
+Serve imports `orchestrator.app:build_app` with `args={"topology": {...}}` (declarative deploys,
+KubeRay's RayService and `tokenfab up` all go through it). No business logic lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from orchestrator.config import PoolSpec, Topology, parse_topology
+from orchestrator.errors import TopologyError
+from orchestrator.gateway import Gateway
+from pools.deployment import PoolReplica, ReplicaSettings
+from pools.engine import EngineSpec
+
+HEALTH_CHECK_PERIOD_S = 5.0
+HEALTH_CHECK_TIMEOUT_S = 30.0
+DRAIN_TIMEOUT_S = 120.0
+
+
+def pool_deployment_name(pool: str) -> str:
+    return f"pool-{pool}"
+
+
+def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:
+    model = topology.model
+    return EngineSpec(
+        model_name=model.name,
+        model_path=model.resolved_path,
+        generate=model.generate,
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        engine_args=topology.engine_args | pool.engine_args,
+        kv_cache_bytes=pool.resources.kv_cache_bytes,
+        gpus=pool.resources.gpus,
+    )
+
+
+def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
+    return ReplicaSettings(
+        app=topology.name,
+        pool=pool.name,
+        role=pool.role,
+        node_ip=topology.cluster.node_ip,
+        cpus=pool.resources.cpus,
+        gpus=pool.resources.gpus,
+        pin_cores=pool.resources.pin_cores,
+        kv_events=topology.kv_events.enabled,
+        drain_timeout_s=DRAIN_TIMEOUT_S,
+    )
+
+
+def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
+    resources = pool.resources
+    deployment = serve.deployment(PoolReplica).options(
+        name=pool_deployment_name(pool.name),
+        num_replicas=pool.replicas,
+        max_ongoing_requests=pool.max_ongoing_requests,
+        ray_actor_options={
+            "num_cpus": resources.cpus,
+            "num_gpus": resources.gpus,
+            "resources": dict(resources.ray_resources),
+        },
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_wait_loop_s=1.0,
+        graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
+    )
+    return deployment.bind(engine_spec(topology, pool), replica_settings(topology, pool))
+
+
+def build_topology_app(topology: Topology) -> Application:
+    for index, pool in enumerate(topology.pools):
+        if pool.role != "unified":
+            raise TopologyError([
+                f"pools.{index}.role: {pool.role!r} pools need prefill/decode disaggregation, "
+                "which this build does not include yet; use role: unified"
+            ])
+    pools = {pool.name: _pool_app(topology, pool) for pool in topology.pools}
+    gateway = serve.deployment(Gateway).options(
+        name="gateway",
+        num_replicas=topology.gateway.replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=10_000,
+    )
+    return gateway.bind(topology.model_dump(mode="json"), pools)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve's application builder (import path `orchestrator.app:build_app`)."""
+    if "topology" not in args:
+        raise TopologyError(["args: missing `topology` (a topology document)"])
+    return build_topology_app(parse_topology(args["topology"], "args.topology"))

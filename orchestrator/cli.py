@@ -1,0 +1,218 @@
+"""The `tokenfab` command: validate topologies, make tiny models, and bring deployments up and down."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+
+from orchestrator.config import ClusterSpec, Topology, load_topology, parse_topology, topology_schema
+from orchestrator.errors import ClusterError, TokenfabError, TopologyError
+
+DEFAULT_CLUSTER = ClusterSpec()
+
+
+def _fail(exc: TokenfabError) -> None:
+    problems = exc.problems if isinstance(exc, TopologyError) else [str(exc)]
+    for line in problems:
+        click.echo(f"error: {line}", err=True)
+    sys.exit(1)
+
+
+def check_engine_args(topology: Topology, source: str) -> list[str]:
+    """Names in engine_args that vLLM does not know, as `file: field.path: message` lines."""
+    from pools.vllm_engine import engine_arg_names
+
+    known = engine_arg_names()
+    sections = [("engine_args", topology.engine_args)]
+    sections += [(f"pools.{i}.engine_args", pool.engine_args) for i, pool in enumerate(topology.pools)]
+    return [
+        f"{source}: {where}.{key}: unknown vLLM engine argument"
+        for where, args in sections
+        for key in args
+        if key not in known
+    ]
+
+
+def _load(path: str, engine_args: bool = True) -> Topology:
+    topology = load_topology(path)
+    problems = check_engine_args(topology, path) if engine_args else []
+    if problems:
+        raise TopologyError(problems)
+    return topology
+
+
+@click.group()
+def main() -> None:
+    """tokenfab: LLM serving pools, routing and gateway on Ray."""
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+def validate(file: str) -> None:
+    """Check a topology file; print "ok" or one error per line (exit 1)."""
+    try:
+        _load(file)
+    except TokenfabError as exc:
+        _fail(exc)
+    click.echo("ok")
+
+
+@main.command()
+def schema() -> None:
+    """Print the JSON Schema of topology files."""
+    click.echo(json.dumps(topology_schema(), indent=2))
+
+
+@main.group()
+def model() -> None:
+    """Generate models that need no download."""
+
+
+@model.command()
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Target directory.")
+@click.option("--moe", is_flag=True, help="A tiny mixture-of-experts (Mixtral) instead of Llama.")
+@click.option("--seed", default=0, show_default=True, help="Weights and tokenizer seed.")
+def tiny(out: str, moe: bool, seed: int) -> None:
+    """Build a deterministic tiny random-weight model with its own tokenizer."""
+    from pools.tiny_model import build_tiny_model, model_digest
+
+    path = build_tiny_model(Path(out).expanduser(), moe=moe, seed=seed)
+    click.echo(f"{path} sha256:{model_digest(path)}")
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--foreground", is_flag=True, help="Serve until Ctrl-C, then tear everything down.")
+@click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for engines.")
+def up(file: str, foreground: bool, timeout: float) -> None:
+    """Start or join Ray, deploy FILE, wait until every replica is healthy."""
+    from orchestrator import cluster, deploy
+
+    try:
+        topology = _load(file)
+        started = _ensure_ray(topology)
+        client = deploy.ServeClient(topology.cluster.dashboard_url)
+        click.echo(f"deploying {topology.name!r}: " + ", ".join(
+            f"pool {p.name} ({p.role}) x{p.replicas}" for p in topology.pools))
+        client.deploy(topology)
+        deploy.wait_until_running(client, topology.name, timeout, lambda line: click.echo(f"  {line}"))
+    except TokenfabError as exc:
+        _fail(exc)
+    gateway = topology.gateway
+    base = f"http://{gateway.host}:{gateway.port}{gateway.route_prefix.rstrip('/')}/v1"
+    click.echo(f"ready: OpenAI endpoint {base}")
+    click.echo(f"try: curl {base}/completions -H 'Content-Type: application/json' "
+               f"-d '{{\"model\": \"{topology.model.name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+    if foreground:
+        _serve_until_interrupted(topology, stop_ray=started)
+
+
+def _ensure_ray(topology: Topology) -> bool:
+    from orchestrator import cluster
+
+    if cluster.dashboard_up(topology.cluster.dashboard_url):
+        click.echo(f"using the Ray cluster at {topology.cluster.address}")
+        return False
+    click.echo(f"starting a local Ray head on {topology.cluster.node_ip} ...")
+    cluster.start_head(topology.cluster)
+    return True
+
+
+def _serve_until_interrupted(topology: Topology, stop_ray: bool) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    click.echo("serving; press Ctrl-C to stop")
+    stop.wait()
+    click.echo("stopping ...")
+    _down(topology.name, topology.cluster, stop_ray)
+
+
+@main.command()
+@click.option("--app", default=None, help="Application name (default: the only one deployed).")
+@click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(app: str | None, dashboard: str, as_json: bool) -> None:
+    """Pools, replicas, health and load."""
+    from orchestrator.status import collect, render
+
+    try:
+        rows = collect(dashboard, app)
+    except TokenfabError as exc:
+        _fail(exc)
+    click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
+
+
+@main.command()
+@click.argument("pool")
+@click.argument("replicas", type=int)
+@click.option("--app", default=None, help="Application name (default: the only one deployed).")
+@click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
+@click.option("--timeout", default=600.0, show_default=True)
+def scale(pool: str, replicas: int, app: str | None, dashboard: str, timeout: float) -> None:
+    """Set POOL's replica count; in-flight requests on removed replicas finish first."""
+    from orchestrator import deploy
+    from orchestrator.status import deployed_topology
+
+    try:
+        client = deploy.ServeClient(dashboard)
+        topology = deployed_topology(client, app)
+        pools = [p.model_dump() if p.name != pool else p.model_dump() | {"replicas": replicas}
+                 for p in topology.pools]
+        if pool not in {p.name for p in topology.pools}:
+            raise TopologyError([f"pool {pool!r} is not in application {topology.name!r}"])
+        data: dict[str, Any] = topology.model_dump() | {"pools": pools}
+        updated = parse_topology(data, f"scale {pool} {replicas}")
+        client.deploy(updated)
+        deploy.wait_until_running(client, updated.name, timeout, lambda line: click.echo(f"  {line}"))
+    except TokenfabError as exc:
+        _fail(exc)
+    click.echo(f"pool {pool}: {replicas} replicas")
+
+
+@main.command()
+@click.option("--app", default=None, help="Application name (default: every tokenfab application).")
+@click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
+@click.option("--stop-ray", is_flag=True, help="Also stop Ray on this machine.")
+def down(app: str | None, dashboard: str, stop_ray: bool) -> None:
+    """Remove deployments (and their registries); optionally stop the local Ray."""
+    cluster_spec = DEFAULT_CLUSTER.model_copy(update={"dashboard_url": dashboard})
+    try:
+        _down(app, cluster_spec, stop_ray)
+    except ClusterError as exc:
+        _fail(exc)
+
+
+def _down(app: str | None, cluster_spec: ClusterSpec, stop_ray: bool) -> None:
+    from orchestrator import cluster, deploy
+    from orchestrator.status import remove_registries
+
+    if cluster.dashboard_up(cluster_spec.dashboard_url):
+        client = deploy.ServeClient(cluster_spec.dashboard_url)
+        names = [app] if app else [a["name"] for a in client.deployed_apps()
+                                   if a.get("import_path") == deploy.IMPORT_PATH]
+        for name in names:
+            current = client.application(name)
+            topology = _topology_of(current)
+            if client.delete(name, topology):
+                click.echo(f"removed application {name}")
+        remove_registries(cluster_spec, names)
+    if stop_ray:
+        cluster.stop_ray()
+        click.echo("stopped Ray")
+
+
+def _topology_of(app: dict[str, Any] | None) -> Topology | None:
+    config = (app or {}).get("deployed_app_config") or {}
+    document = (config.get("args") or {}).get("topology")
+    return parse_topology(document) if document else None
+
+
+if __name__ == "__main__":
+    main()

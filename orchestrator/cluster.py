@@ -1,0 +1,65 @@
+"""The local Ray head: find it, start it pinned to the topology's node address, stop it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from orchestrator.config import ClusterSpec
+from orchestrator.errors import ClusterError
+
+_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+
+
+def ray_executable() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def dashboard_up(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{url}/api/version", timeout=timeout_s, trust_env=False).is_success
+    except httpx.HTTPError:
+        return False
+
+
+def start_head(cluster: ClusterSpec, timeout_s: float = 120.0) -> None:
+    """Start a Ray head on this machine, bound to `cluster.node_ip`, and wait for its dashboard."""
+    host, port = cluster.address.rsplit(":", 1)
+    dashboard = urlparse(cluster.dashboard_url)
+    command = [
+        ray_executable(), "start", "--head", f"--port={port}",
+        f"--dashboard-host={dashboard.hostname}", f"--dashboard-port={dashboard.port or 8265}",
+        "--disable-usage-stats",
+    ]
+    if cluster.node_ip is not None:
+        command.append(f"--node-ip-address={cluster.node_ip}")
+    if cluster.num_cpus is not None:
+        command.append(f"--num-cpus={cluster.num_cpus}")
+    result = subprocess.run(command, env=os.environ | _ENV, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ClusterError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
+    deadline = time.monotonic() + timeout_s
+    while not dashboard_up(cluster.dashboard_url):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"Ray dashboard did not come up at {cluster.dashboard_url}")
+        time.sleep(1.0)
+
+
+def stop_ray() -> None:
+    subprocess.run([ray_executable(), "stop", "--force"], env=os.environ | _ENV,
+                   capture_output=True, check=False)
+
+
+def connect(cluster: ClusterSpec) -> None:
+    """Attach this process to the cluster as a quiet driver (for registry and actor calls)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, _node_ip_address=cluster.node_ip,
+                 log_to_driver=False, logging_level="ERROR", configure_logging=False)

@@ -1,0 +1,261 @@
+"""Topology files: the pydantic models that describe a tokenfab deployment, and their loader.
+
+One YAML file says which model to serve, which pools of engines run it, and how they are reached.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from orchestrator.errors import TopologyError
+
+PoolRole = Literal["unified", "prefill", "decode"]
+
+# Engine arguments that tokenfab derives from its own fields: setting them in `engine_args`
+# would silently fight the topology, so they are refused with a pointer to the right field.
+OWNED_ENGINE_ARGS: dict[str, str] = {
+    "model": "model.path",
+    "served_model_name": "model.name",
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "kv_cache_memory_bytes": "pools[].resources.kv_cache_bytes",
+    "kv_events_config": "kv_events",
+    "kv_transfer_config": "pools[].role",
+    "tensor_parallel_size": "pools[].resources.gpus",
+}
+
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_bytes(value: Any) -> int:
+    """Accept 536870912, "512MiB", "0.5GiB" or "2GB" and return bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a byte size such as 512MiB, not a boolean")
+    if isinstance(value, int):
+        return value
+    match = _BYTES_RE.match(str(value))
+    if not match:
+        raise ValueError(f"expected a byte size such as 512MiB or 2GiB, got {value!r}")
+    number, unit = match.groups()
+    unit = (unit or "").lower().removesuffix("b")
+    return int(float(number) * _UNITS[unit])
+
+
+ByteSize = Annotated[int, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """The model every pool serves."""
+
+    name: str = Field(min_length=1, description="Name clients use in the `model` field.")
+    path: str = Field(
+        min_length=1,
+        description="Local directory or hub id of the checkpoint. `~` is expanded.",
+    )
+    generate: Literal["tiny", "tiny-moe"] | None = Field(
+        None, description="Generate this tiny random-weight model at `path` if it is missing."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weight and activation dtype."
+    )
+    max_model_len: int = Field(2048, gt=0, description="Longest prompt plus output, in tokens.")
+
+    @property
+    def resolved_path(self) -> str:
+        expanded = Path(self.path).expanduser()
+        is_local = self.path.startswith(("/", ".", "~")) or expanded.exists()
+        return str(expanded.resolve()) if is_local else self.path
+
+
+class Resources(_Strict):
+    """What one replica of a pool gets."""
+
+    cpus: float = Field(1.0, gt=0, description="CPU cores reserved in Ray for one replica.")
+    gpus: int = Field(0, ge=0, description="GPUs per replica; >1 means tensor parallelism.")
+    kv_cache_bytes: ByteSize | None = Field(
+        None, description="KV cache size per replica (e.g. 256MiB). Required on CPU."
+    )
+    pin_cores: bool = Field(
+        True, description="On CPU, pin each replica's engine to cores no other replica uses."
+    )
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray custom resources, e.g. to pin to a node."
+    )
+
+    @field_validator("kv_cache_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return None if value is None else parse_bytes(value)
+
+
+class PoolSpec(_Strict):
+    """A set of identical engine replicas with one role."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="Pool name (DNS-like).")
+    role: PoolRole = Field("unified", description="unified, prefill or decode.")
+    replicas: int = Field(1, ge=1, description="Replicas at deploy time.")
+    min_replicas: int | None = Field(None, ge=0, description="Autoscaling lower bound.")
+    max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
+    resources: Resources = Field(default_factory=Resources)
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine arguments for this pool only."
+    )
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests one replica accepts.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSpec:
+        low = self.min_replicas if self.min_replicas is not None else self.replicas
+        high = self.max_replicas if self.max_replicas is not None else self.replicas
+        if not low <= self.replicas <= high:
+            raise ValueError(
+                f"replicas={self.replicas} must lie within min_replicas={low} and max_replicas={high}"
+            )
+        return self
+
+
+class RouterSpec(_Strict):
+    """How the gateway picks a replica."""
+
+    policy: Literal["least_loaded"] = Field(
+        "least_loaded",
+        description="Routing policy by name. least_loaded: power of two choices on queue length.",
+    )
+    weights: dict[str, float] = Field(default_factory=dict, description="Scorer weights.")
+
+
+class GatewaySpec(_Strict):
+    """The OpenAI-compatible HTTP endpoint."""
+
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    route_prefix: str = Field("/", pattern=r"^/", description="URL prefix of this application.")
+    replicas: int = Field(1, ge=1, description="Ingress replicas.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Deadline for one request.")
+    max_body_bytes: ByteSize = Field(1_048_576, description="Largest accepted request body.")
+
+    @field_validator("max_body_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return parse_bytes(value)
+
+
+class KVEventsSpec(_Strict):
+    """Publication of each engine's KV cache events (consumed by the KV-aware router)."""
+
+    enabled: bool = Field(True, description="Publish KV cache events from every engine.")
+    transport: Literal["ipc"] = Field(
+        "ipc", description="ipc: node-local sockets next to each engine."
+    )
+
+
+class ClusterSpec(_Strict):
+    """Where the Ray cluster is and which address this node uses."""
+
+    node_ip: str | None = Field(
+        "127.0.0.1",
+        description="Address Ray, engines and side channels bind to; null: the address Ray "
+        "reports for each node (multi-node clusters).",
+    )
+    address: str = Field("127.0.0.1:6379", description="GCS address of the Ray head.")
+    dashboard_url: str = Field(
+        "http://127.0.0.1:8265", description="Ray dashboard, used to deploy and to query status."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs for a head `up` starts itself.")
+
+
+class AutoscalerSpec(_Strict):
+    """Reserved for the autoscaler; only `enabled: false` is accepted for now."""
+
+    enabled: Literal[False] = Field(False, description="The autoscaler is not available yet.")
+
+
+class Topology(_Strict):
+    """A whole deployment: one model, its pools, the router and the gateway."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="Serve application name.")
+    model: ModelSpec
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine arguments shared by every pool."
+    )
+    pools: list[PoolSpec] = Field(min_length=1, description="Engine pools.")
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    kv_events: KVEventsSpec = Field(default_factory=KVEventsSpec)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    autoscaler: AutoscalerSpec = Field(default_factory=AutoscalerSpec)
+
+    @field_validator("engine_args")
+    @classmethod
+    def _shared_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_owned(value)
+
+    @model_validator(mode="after")
+    def _pools(self) -> Topology:
+        names = [pool.name for pool in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names must be unique, got {names}")
+        roles = {pool.role for pool in self.pools}
+        if ("prefill" in roles) != ("decode" in roles):
+            raise ValueError("a prefill pool needs a decode pool and the other way round")
+        for pool in self.pools:
+            _check_owned(pool.engine_args)
+            if pool.resources.gpus == 0 and pool.resources.kv_cache_bytes is None:
+                raise ValueError(f"pool {pool.name!r}: resources.kv_cache_bytes is required on CPU")
+        return self
+
+    def pool(self, name: str) -> PoolSpec:
+        return next(pool for pool in self.pools if pool.name == name)
+
+
+def _check_owned(args: dict[str, Any]) -> dict[str, Any]:
+    for key in args:
+        if key in OWNED_ENGINE_ARGS:
+            raise ValueError(f"engine_args.{key} is set by tokenfab: use {OWNED_ENGINE_ARGS[key]}")
+    return args
+
+
+def format_errors(source: str, exc: ValidationError) -> list[str]:
+    """One line per error: `file: field.path: message`."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {where}: {message}")
+    return lines
+
+
+def parse_topology(data: Any, source: str = "<topology>") -> Topology:
+    """Validate an already-parsed document; raise TopologyError naming source and fields."""
+    if not isinstance(data, dict):
+        raise TopologyError([f"{source}: (top level): expected a mapping of fields"])
+    try:
+        return Topology.model_validate(data)
+    except ValidationError as exc:
+        raise TopologyError(format_errors(source, exc)) from exc
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology YAML file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise TopologyError([f"{path}: cannot read: {exc.strerror}"]) from exc
+    except yaml.YAMLError as exc:
+        raise TopologyError([f"{path}: not valid YAML: {exc}"]) from exc
+    return parse_topology(data, str(path))
+
+
+def topology_schema() -> dict[str, Any]:
+    return Topology.model_json_schema()

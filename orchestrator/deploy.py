@@ -1,0 +1,139 @@
+"""Deploys topologies through Ray Serve's declarative REST API on the Ray dashboard.
+
+The same Serve config document is what KubeRay's RayService applies, so a topology deploys the same
+way from `tokenfab up`, from `ray job submit`, and on Kubernetes. Replica counts are passed as
+per-deployment overrides, so changing only them scales in place without restarting engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from orchestrator.app import pool_deployment_name
+from orchestrator.config import Topology
+from orchestrator.errors import ClusterError
+
+IMPORT_PATH = "orchestrator.app:build_app"
+_API = "/api/serve/applications/"
+
+
+def code_digest(topology: Topology) -> str:
+    """Digest of everything but replica counts: when it changes, Serve restarts the replicas."""
+    data = topology.model_dump(mode="json")
+    for pool in data["pools"]:
+        pool.pop("replicas")
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def application_config(topology: Topology) -> dict[str, Any]:
+    """The Serve application entry for one topology."""
+    return {
+        "name": topology.name,
+        "route_prefix": topology.gateway.route_prefix,
+        "import_path": IMPORT_PATH,
+        "args": {"topology": topology.model_dump(mode="json")},
+        "runtime_env": {"env_vars": {"TOKENFAB_CODE_DIGEST": code_digest(topology)}},
+        "deployments": [
+            {"name": pool_deployment_name(pool.name), "num_replicas": pool.replicas}
+            for pool in topology.pools
+        ],
+    }
+
+
+class ServeClient:
+    """Talks to the dashboard's Serve REST API; translates transport errors to ClusterError."""
+
+    def __init__(self, dashboard_url: str, timeout_s: float = 30.0) -> None:
+        self._http = httpx.Client(base_url=dashboard_url, timeout=timeout_s, trust_env=False)
+        self._url = dashboard_url
+
+    def _call(self, method: str, body: Any = None) -> httpx.Response:
+        try:
+            response = self._http.request(method, _API, json=body)
+        except httpx.HTTPError as exc:
+            raise ClusterError(f"Ray dashboard at {self._url} is unreachable: {exc}") from exc
+        if response.status_code >= 400:
+            raise ClusterError(f"Serve rejected {method} ({response.status_code}): {response.text}")
+        return response
+
+    def details(self) -> dict[str, Any]:
+        return self._call("GET").json()
+
+    def deployed_apps(self) -> list[dict[str, Any]]:
+        apps = self.details().get("applications") or {}
+        return [app["deployed_app_config"] for app in apps.values() if app.get("deployed_app_config")]
+
+    def deploy(self, topology: Topology) -> None:
+        """Add or replace this topology's application; other applications stay as they are."""
+        apps = [app for app in self.deployed_apps() if app["name"] != topology.name]
+        apps.append(application_config(topology))
+        self.put(apps, topology)
+
+    def put(self, apps: list[dict[str, Any]], topology: Topology) -> None:
+        gateway = topology.gateway
+        config = {
+            "proxy_location": "HeadOnly",
+            "http_options": {"host": gateway.host, "port": gateway.port},
+            "applications": apps,
+        }
+        self._call("PUT", config)
+
+    def delete(self, name: str, topology: Topology | None = None) -> bool:
+        """Remove one application; shut Serve down when it was the last. False if absent."""
+        apps = self.deployed_apps()
+        rest = [app for app in apps if app["name"] != name]
+        if len(rest) == len(apps):
+            return False
+        if rest and topology is not None:
+            self.put(rest, topology)
+        else:
+            self._call("DELETE")
+        return True
+
+    def application(self, name: str) -> dict[str, Any] | None:
+        return (self.details().get("applications") or {}).get(name)
+
+
+def wait_until_running(
+    client: ServeClient,
+    name: str,
+    timeout_s: float,
+    progress: Callable[[str], None],
+    poll_s: float = 2.0,
+) -> dict[str, Any]:
+    """Poll until the application is RUNNING; report each change of state through `progress`."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        app = client.application(name)
+        line = describe(app)
+        if line != last:
+            progress(line)
+            last = line
+        status = (app or {}).get("status")
+        if status == "RUNNING":
+            return app
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise ClusterError(f"application {name} is {status}: {(app or {}).get('message', '')}")
+        time.sleep(poll_s)
+    raise ClusterError(f"application {name} not running after {timeout_s:g} s: {last}")
+
+
+def describe(app: dict[str, Any] | None) -> str:
+    """One line: application status, then each deployment's replica states."""
+    if not app:
+        return "waiting for Serve to accept the application"
+    parts = [f"application {app.get('status')}"]
+    for name, deployment in sorted((app.get("deployments") or {}).items()):
+        states: dict[str, int] = {}
+        for replica in deployment.get("replicas") or []:
+            states[replica["state"]] = states.get(replica["state"], 0) + 1
+        summary = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "no replicas"
+        parts.append(f"{name}: {summary}")
+    return "; ".join(parts)

@@ -1,0 +1,170 @@
+"""The OpenAI-compatible HTTP ingress: checks the envelope of a request, forwards it to a pool
+replica through Ray Serve, and relays the reply (JSON or server-sent events) with deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orchestrator.config import Topology
+from pools.engine import Endpoint, ReplyHead
+
+logger = logging.getLogger("tokenfab.access")
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
+                413: "RequestTooLarge", 503: "ServiceUnavailableError", 504: "GatewayTimeout"}
+
+
+class GatewayError(Exception):
+    """A request the gateway answers itself, with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param)
+
+
+class _EndOfReply(GatewayError):
+    """The replica's reply stream ended."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "pool replica closed the reply early")
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = _ERROR_TYPES.get(status, "InternalServerError")
+    code = "model_not_found" if status == 404 and param == "model" else status
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _sse_error(message: str) -> bytes:
+    error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
+    return b"data: " + msgspec.json.encode({"error": error}) + b"\n\n"
+
+
+app = FastAPI(title="tokenfab", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail))
+
+
+@serve.ingress(app)
+class Gateway:
+    """One per ingress replica; stateless apart from the round-robin cursor over pools."""
+
+    def __init__(self, topology: dict[str, Any], pools: dict[str, DeploymentHandle]) -> None:
+        self._topology = Topology.model_validate(topology)
+        self._pools = itertools.cycle(pools.values())
+        self._created = int(time.time())
+
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        model = self._topology.model
+        card = {"id": model.name, "object": "model", "created": self._created,
+                "owned_by": "tokenfab", "root": model.path, "max_model_len": model.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._forward("completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._forward("chat", request)
+
+    async def _forward(self, endpoint: Endpoint, request: Request) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        started = time.monotonic()
+        try:
+            body = await self._read_body(request)
+            response = await self._dispatch(endpoint, body)
+        except GatewayError as exc:
+            response = exc.response()
+        response.headers["x-request-id"] = request_id
+        logger.info("request_id=%s endpoint=%s status=%d latency_ms=%.1f", request_id, endpoint,
+                    response.status_code, 1000 * (time.monotonic() - started))
+        return response
+
+    async def _read_body(self, request: Request) -> dict[str, Any]:
+        limit = self._topology.gateway.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise GatewayError(413, f"request body is larger than {limit} bytes")
+        raw = await request.body()
+        if len(raw) > limit:
+            raise GatewayError(413, f"request body is larger than {limit} bytes")
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise GatewayError(400, f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise GatewayError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is None:
+            raise GatewayError(400, "model: field required", "model")
+        if model != self._topology.model.name:
+            raise GatewayError(404, f"The model `{model}` does not exist.", "model")
+        return body
+
+    async def _dispatch(self, endpoint: Endpoint, body: dict[str, Any]) -> Response:
+        handle = next(self._pools)
+        replies: DeploymentResponseGenerator = handle.options(stream=True).reply.remote(endpoint, body)
+        head = await self._next(replies)
+        if not isinstance(head, ReplyHead):
+            replies.cancel()
+            raise GatewayError(503, "pool replica sent no reply head")
+        if not head.streaming:
+            payload = await self._next(replies)
+            return Response(payload, status_code=head.status, media_type="application/json")
+        return StreamingResponse(self._relay(replies), media_type="text/event-stream")
+
+    async def _next(self, replies: DeploymentResponseGenerator) -> Any:
+        """The next item of a reply stream within the request deadline, or a clear 503/504."""
+        timeout = self._topology.gateway.request_timeout_s
+        try:
+            return await asyncio.wait_for(replies.__anext__(), timeout)
+        except asyncio.TimeoutError as exc:
+            replies.cancel()
+            raise GatewayError(504, f"no reply from the engine within {timeout:g} s") from exc
+        except StopAsyncIteration as exc:
+            raise _EndOfReply() from exc
+        except (ray.exceptions.RayError, RuntimeError) as exc:
+            logger.warning("pool replica failed: %s", exc)
+            raise GatewayError(503, "engine replica unavailable; retry") from exc
+
+    async def _relay(self, replies: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                try:
+                    item = await self._next(replies)
+                except _EndOfReply:
+                    return
+                except GatewayError as exc:  # headers are sent: report the failure in-stream
+                    yield _sse_error(exc.message)
+                    return
+                yield item
+        finally:
+            replies.cancel()  # client gone or stream done: abort the engine request if still running

@@ -1,0 +1,161 @@
+"""A pool replica: one Ray Serve replica running one engine in-process.
+
+It pins the engine to its own cores, answers OpenAI requests as a stream of ReplyHead and bytes,
+reports its load to the registry and to Serve's router, and drains before it goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import ray
+from ray import serve
+
+from orchestrator.errors import EngineError
+from pools.cores import CoreClaim, claim_cores
+from pools.engine import Endpoint, EngineSpec, ReplyHead
+from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
+
+logger = logging.getLogger(__name__)
+
+SOCKET_DIR = Path(os.environ.get("TOKENFAB_SOCKET_DIR", "/tmp/tokenfab/kv"))
+
+
+class ReplicaSettings(msgspec.Struct, frozen=True):
+    """How the replica places itself; derived from the pool's resources by the app builder."""
+
+    app: str
+    pool: str
+    role: str
+    node_ip: str | None
+    cpus: float
+    gpus: int
+    pin_cores: bool
+    kv_events: bool
+    drain_timeout_s: float = 60.0
+
+
+def _draining_reply() -> list[ReplyHead | bytes]:
+    error = {"message": "replica is draining; retry", "type": "ServiceUnavailableError",
+             "param": None, "code": 503}
+    return [ReplyHead(503, streaming=False), msgspec.json.encode({"error": error})]
+
+
+def _ensure_generated_model(spec: EngineSpec) -> None:
+    from pools.tiny_model import ensure_tiny_model
+
+    ensure_tiny_model(Path(spec.model_path), moe=spec.generate == "tiny-moe")
+
+
+class PoolReplica:
+    """Serve deployment class of every pool; the app builder names one deployment per pool."""
+
+    async def __init__(self, spec: EngineSpec, settings: ReplicaSettings) -> None:
+        from pools.vllm_engine import VllmEngine  # vLLM is imported only inside replicas
+
+        self._settings = settings
+        self._started = time.time()
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        self._node_ip = settings.node_ip or ray.util.get_node_ip_address()
+        self._cores = self._place_engine()
+        self._state = "starting"
+        self._in_flight = 0
+        if settings.kv_events:
+            spec = self._with_kv_events(spec)
+        self._spec = spec
+        self._engine = VllmEngine(spec)
+        self._registry = get_registry(settings.app)
+        self._reporter = asyncio.create_task(self._report_forever(), name="registry-reporter")
+        if spec.generate:
+            await asyncio.to_thread(_ensure_generated_model, spec)
+        await self._engine.start()
+        self._engine_start_s = time.time() - self._started
+        self._state = "ready"
+        logger.info("replica %s of pool %s ready in %.1f s", self._replica_id, settings.pool,
+                    self._engine_start_s)
+
+    def _place_engine(self) -> CoreClaim | None:
+        os.environ["VLLM_HOST_IP"] = self._node_ip
+        if self._settings.gpus or not self._settings.pin_cores:
+            return None
+        claim = claim_cores(max(1, int(self._settings.cpus)))
+        if claim is None:
+            logger.warning("no free cores to pin replica %s; the engine shares cores",
+                           self._replica_id)
+            return None
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = claim.omp_bind
+        return claim
+
+    def _with_kv_events(self, spec: EngineSpec) -> EngineSpec:
+        SOCKET_DIR.mkdir(parents=True, exist_ok=True)
+        base = SOCKET_DIR / self._replica_id
+        return msgspec.structs.replace(
+            spec,
+            kv_events_endpoint=f"ipc://{base}.kv",
+            kv_events_replay_endpoint=f"ipc://{base}.replay",
+        )
+
+    async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
+        """Answer one OpenAI request; see pools.engine.ReplyHead for the stream's shape."""
+        if self._state != "ready":
+            for item in _draining_reply():
+                yield item
+            return
+        self._in_flight += 1
+        try:
+            async for item in self._engine.reply(endpoint, body):
+                yield item
+        finally:
+            self._in_flight -= 1
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
+        if self._state == "ready":
+            await self._engine.check_health()
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Polled by Serve and exposed to request routers as `RunningReplica.routing_stats`."""
+        return msgspec.structs.asdict(self._load()) | {"ready": float(self._state == "ready")}
+
+    def _load(self):
+        return msgspec.structs.replace(self._engine.load(), in_flight=self._in_flight)
+
+    def report(self) -> ReplicaReport:
+        return ReplicaReport(
+            app=self._settings.app, pool=self._settings.pool, role=self._settings.role,
+            replica_id=self._replica_id, node_ip=self._node_ip, pid=os.getpid(),
+            cores=self._cores.cores if self._cores else [], state=self._state, load=self._load(),
+            kv_events_endpoint=self._spec.kv_events_endpoint, started_s=self._started,
+            engine_start_s=getattr(self, "_engine_start_s", 0.0),
+        )
+
+    async def _report_forever(self) -> None:
+        while True:
+            try:
+                await self._registry.report.remote(self.report())
+            except ray.exceptions.RayError as exc:  # registry restarting: the next beat retries
+                logger.debug("registry report failed: %s", exc)
+            await asyncio.sleep(REPORT_INTERVAL_S)
+
+    async def __del__(self) -> None:
+        """Drain: Serve stopped routing here; finish in-flight requests, then stop the engine."""
+        self._state = "draining"
+        deadline = time.monotonic() + self._settings.drain_timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self._reporter.cancel()
+        try:
+            await self._registry.forget.remote(self._replica_id)
+        except ray.exceptions.RayError:
+            pass
+        await asyncio.to_thread(self._engine.shutdown)
+        if self._cores:
+            self._cores.release()
+        if self._in_flight:
+            raise EngineError(f"replica stopped with {self._in_flight} requests still running")

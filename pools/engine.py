@@ -1,0 +1,76 @@
+"""The contract between a pool replica and the engine inside it, and the wire types it returns.
+
+Everything above `pools/` (gateway, router, request flow) sees engines only through these types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+Endpoint = Literal["completions", "chat"]
+
+
+class EngineSpec(msgspec.Struct, frozen=True):
+    """Everything one replica needs to build its engine; derived from the topology by the app."""
+
+    model_name: str
+    model_path: str
+    generate: str | None = None  # "tiny" or "tiny-moe": build it at model_path if missing
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    engine_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    kv_cache_bytes: int | None = None
+    gpus: int = 0
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+
+
+class ReplyHead(msgspec.Struct, frozen=True):
+    """First item of every reply stream: the HTTP status and whether SSE chunks follow.
+
+    After a head with `streaming=False` exactly one item follows: the JSON body (a response object
+    or an OpenAI error object). After `streaming=True`, each item is one SSE event, `data: ...\\n\\n`.
+    """
+
+    status: int
+    streaming: bool
+
+
+class LoadSnapshot(msgspec.Struct, frozen=True):
+    """One replica's load, as its engine last reported it (refreshed every engine step).
+
+    `kv_cache_usage` is in [0, 1]; `prefix_cache_hit_rate` is hits / queried tokens since start.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    in_flight: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Engine(Protocol):
+    """An engine serving OpenAI requests. One instance per replica; all methods run on one loop.
+
+    `reply` yields a ReplyHead then bytes (see ReplyHead). Closing the iterator early (client gone)
+    aborts the engine request. Errors caused by the request come back as 4xx replies, never raised;
+    a dead engine raises EngineDeadError.
+    """
+
+    async def start(self) -> None: ...
+
+    def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]: ...
+
+    async def check_health(self) -> None: ...
+
+    def load(self) -> LoadSnapshot: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,66 @@
+"""A small Ray actor where every replica reports what a router or `tokenfab status` needs.
+
+Replicas push a ReplicaReport every second; entries not refreshed within `ttl_s` are dropped, so a
+crashed or removed replica disappears on its own. Readers get plain snapshots.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import ray
+
+from pools.engine import LoadSnapshot
+
+NAMESPACE = "tokenfab"
+REPORT_INTERVAL_S = 1.0
+
+
+class ReplicaReport(msgspec.Struct, frozen=True):
+    """One replica as it describes itself."""
+
+    app: str
+    pool: str
+    role: str
+    replica_id: str
+    node_ip: str
+    pid: int
+    cores: list[int]
+    state: str  # "starting", "ready", "draining"
+    load: LoadSnapshot
+    kv_events_endpoint: str | None = None
+    started_s: float = 0.0
+    engine_start_s: float = 0.0
+    reported_at: float = 0.0
+
+
+def registry_name(app: str) -> str:
+    return f"registry-{app}"
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class ReplicaRegistry:
+    """Owner of the replica table of one application."""
+
+    def __init__(self, ttl_s: float = 10.0) -> None:
+        self._ttl_s = ttl_s
+        self._reports: dict[str, ReplicaReport] = {}
+
+    def report(self, report: ReplicaReport) -> None:
+        self._reports[report.replica_id] = msgspec.structs.replace(report, reported_at=time.time())
+
+    def forget(self, replica_id: str) -> None:
+        self._reports.pop(replica_id, None)
+
+    def snapshot(self) -> list[ReplicaReport]:
+        cutoff = time.time() - self._ttl_s
+        self._reports = {k: r for k, r in self._reports.items() if r.reported_at >= cutoff}
+        return sorted(self._reports.values(), key=lambda r: (r.pool, r.replica_id))
+
+
+def get_registry(app: str) -> ray.actor.ActorHandle:
+    """The application's registry, created on first use; it lives until `tokenfab down`."""
+    return ReplicaRegistry.options(
+        name=registry_name(app), namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote()

@@ -1,0 +1,199 @@
+"""The vLLM adapter: an in-process `AsyncLLM` behind vLLM's own OpenAI serving layer.
+
+Requests are parsed, tokenised, templated and answered by the same code as `vllm serve`, so our
+endpoint is exactly as compatible as vLLM's; this module only translates at the boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+from argparse import Namespace
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from pydantic import ValidationError
+
+from orchestrator.errors import EngineDeadError
+from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead
+
+logger = logging.getLogger(__name__)
+
+# Settings we choose for every engine unless the topology overrides them: prefix caching on,
+# per-request cached-token counts in `usage`, and stats on (they feed LoadSnapshot).
+_ENGINE_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": True, "disable_log_stats": False}
+
+
+def engine_arg_names() -> frozenset[str]:
+    """Every keyword `AsyncEngineArgs` accepts, to validate `engine_args` before deploying."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return frozenset(field.name for field in dataclasses.fields(AsyncEngineArgs))
+
+
+def build_engine_args(spec: EngineSpec) -> Any:
+    """Translate an EngineSpec into vLLM's `AsyncEngineArgs`."""
+    from vllm.config import KVEventsConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = _ENGINE_DEFAULTS | dict(spec.engine_args)
+    kwargs |= {
+        "model": spec.model_path,
+        "served_model_name": [spec.model_name],
+        "dtype": spec.dtype,
+        "max_model_len": spec.max_model_len,
+    }
+    if spec.kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes
+    if spec.gpus > 1:
+        kwargs["tensor_parallel_size"] = spec.gpus
+    if spec.kv_events_endpoint is not None:
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=spec.kv_events_endpoint,
+            replay_endpoint=spec.kv_events_replay_endpoint,
+            topic="kv-events",
+        )
+    return AsyncEngineArgs(**kwargs)
+
+
+class _LoadRecorder:
+    """Keeps the latest scheduler stats; vLLM calls `record` once per engine step."""
+
+    def __init__(self) -> None:
+        self.snapshot = LoadSnapshot()
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+                if scheduler_stats is not None:
+                    recorder.update(scheduler_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+    def update(self, stats: Any) -> None:
+        prefix = stats.prefix_cache_stats
+        self.snapshot = msgspec.structs.replace(
+            self.snapshot,
+            running=stats.num_running_reqs,
+            waiting=stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_queries=self.snapshot.prefix_cache_queries + prefix.queries,
+            prefix_cache_hits=self.snapshot.prefix_cache_hits + prefix.hits,
+        )
+
+
+def _error_body(message: str, status: int, param: str | None = None) -> bytes:
+    kind = "BadRequestError" if status == 400 else "InternalServerError"
+    error = {"message": message, "type": kind, "param": param, "code": status}
+    return msgspec.json.encode({"error": error})
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """Name each bad field once; a union type's per-branch errors collapse into one line."""
+    by_field: dict[str, list[dict]] = {}
+    for error in exc.errors():
+        by_field.setdefault(str(error["loc"][0]) if error["loc"] else "body", []).append(error)
+    parts = []
+    for field, errors in by_field.items():
+        if len(errors) == 1:
+            parts.append(f"{field}: {errors[0]['msg'].removeprefix('Value error, ')}")
+        else:
+            parts.append(f"{field}: invalid value {errors[0]['input']!r:.60}")
+    return "; ".join(parts), next(iter(by_field))
+
+
+class VllmEngine:
+    """Implements pools.engine.Engine with vLLM's AsyncLLM and its OpenAI serving classes."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._recorder = _LoadRecorder()
+        self._llm: Any = None
+        self._serving: dict[Endpoint, Any] = {}
+        self._requests: dict[Endpoint, Any] = {}
+
+    async def start(self) -> None:
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Chat
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = build_engine_args(self.spec)
+        vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        self._llm = AsyncLLM.from_vllm_config(
+            vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[self._recorder.factory],
+            disable_log_stats=False,
+        )
+        frontend = FrontendArgs(enable_prompt_tokens_details=True)
+        args = Namespace(**(vars(frontend) | vars(engine_args)))
+        state = State()
+        tasks = await self._llm.get_supported_tasks()
+        await init_app_state(self._llm, state, args, supported_tasks=tasks)
+        self._serving = {"completions": state.openai_serving_completion, "chat": state.openai_serving_chat}
+        self._requests = {"completions": CompletionRequest, "chat": Chat}
+
+    async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
+        try:
+            request = self._requests[endpoint].model_validate(body)
+        except ValidationError as exc:
+            message, param = _validation_message(exc)
+            yield ReplyHead(400, streaming=False)
+            yield _error_body(message, 400, param)
+            return
+        serving = self._serving[endpoint]
+        create = serving.create_completion if endpoint == "completions" else serving.create_chat_completion
+        try:
+            result = await create(request, raw_request=None)
+        except Exception as exc:  # vLLM raises request errors; it maps them to status codes itself
+            self._raise_if_dead(exc)
+            result = serving.create_error_response(exc)
+        async for item in self._translate(result):
+            yield item
+
+    async def _translate(self, result: Any) -> AsyncIterator[ReplyHead | bytes]:
+        if hasattr(result, "__aiter__"):
+            yield ReplyHead(200, streaming=True)
+            async for chunk in result:
+                yield chunk.encode()
+            return
+        error = getattr(result, "error", None)
+        status = error.code if error is not None and result.__class__.__name__ == "ErrorResponse" else 200
+        yield ReplyHead(status, streaming=False)
+        yield result.model_dump_json(exclude_none=status != 200).encode()
+
+    def _raise_if_dead(self, exc: Exception) -> None:
+        if self._llm is None or self._llm.errored:
+            raise EngineDeadError(f"engine for {self.spec.model_name} died: {exc}") from exc
+
+    async def check_health(self) -> None:
+        try:
+            await self._llm.check_health()
+        except Exception as exc:
+            raise EngineDeadError(f"engine health check failed: {exc}") from exc
+
+    def load(self) -> LoadSnapshot:
+        return self._recorder.snapshot
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
