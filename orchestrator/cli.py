@@ -78,11 +78,16 @@ def model() -> None:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Target directory.")
 @click.option("--moe", is_flag=True, help="A tiny mixture-of-experts (Mixtral) instead of Llama.")
 @click.option("--seed", default=0, show_default=True, help="Weights and tokenizer seed.")
-def tiny(out: str, moe: bool, seed: int) -> None:
+@click.option("--if-missing", is_flag=True, help="Keep a model already at --out.")
+def tiny(out: str, moe: bool, seed: int, if_missing: bool) -> None:
     """Build a deterministic tiny random-weight model with its own tokenizer."""
-    from pools.tiny_model import build_tiny_model, model_digest
+    from pools.tiny_model import build_tiny_model, ensure_tiny_model, model_digest
 
-    path = build_tiny_model(Path(out).expanduser(), moe=moe, seed=seed)
+    target = Path(out).expanduser()
+    if if_missing:
+        path = ensure_tiny_model(target, moe=moe)
+    else:
+        path = build_tiny_model(target, moe=moe, seed=seed)
     click.echo(f"{path} sha256:{model_digest(path)}")
 
 
@@ -92,7 +97,7 @@ def tiny(out: str, moe: bool, seed: int) -> None:
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for engines.")
 def up(file: str, foreground: bool, timeout: float) -> None:
     """Start or join Ray, deploy FILE, wait until every replica is healthy."""
-    from orchestrator import cluster, deploy
+    from orchestrator import deploy
 
     try:
         topology = _load(file)
@@ -181,7 +186,7 @@ def scale(pool: str, replicas: int, app: str | None, dashboard: str, timeout: fl
 @click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
 @click.option("--stop-ray", is_flag=True, help="Also stop Ray on this machine.")
 def down(app: str | None, dashboard: str, stop_ray: bool) -> None:
-    """Remove deployments (and their registries); optionally stop the local Ray."""
+    """Remove deployments; optionally stop the local Ray."""
     cluster_spec = DEFAULT_CLUSTER.model_copy(update={"dashboard_url": dashboard})
     try:
         _down(app, cluster_spec, stop_ray)
@@ -191,27 +196,18 @@ def down(app: str | None, dashboard: str, stop_ray: bool) -> None:
 
 def _down(app: str | None, cluster_spec: ClusterSpec, stop_ray: bool) -> None:
     from orchestrator import cluster, deploy
-    from orchestrator.status import remove_registries
 
     if cluster.dashboard_up(cluster_spec.dashboard_url):
         client = deploy.ServeClient(cluster_spec.dashboard_url)
         names = [app] if app else [a["name"] for a in client.deployed_apps()
                                    if a.get("import_path") == deploy.IMPORT_PATH]
         for name in names:
-            current = client.application(name)
-            topology = _topology_of(current)
-            if client.delete(name, topology):
+            config = (client.application(name) or {}).get("deployed_app_config")
+            if client.delete(name, deploy.topology_of(config) if config else None):
                 click.echo(f"removed application {name}")
-        remove_registries(cluster_spec, names)
     if stop_ray:
         cluster.stop_ray()
         click.echo("stopped Ray")
-
-
-def _topology_of(app: dict[str, Any] | None) -> Topology | None:
-    config = (app or {}).get("deployed_app_config") or {}
-    document = (config.get("args") or {}).get("topology")
-    return parse_topology(document) if document else None
 
 
 if __name__ == "__main__":

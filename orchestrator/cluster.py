@@ -15,6 +15,15 @@ from orchestrator.config import ClusterSpec
 from orchestrator.errors import ClusterError
 
 _ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+# Ray replaces a loopback --node-ip-address by the machine's other interface unless told it runs
+# a single-machine cluster; this is how loopback-only clusters (tests, `local.yaml`) stay on lo.
+_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def ray_env(cluster: ClusterSpec) -> dict[str, str]:
+    """Environment for Ray processes and drivers of this cluster."""
+    loopback = cluster.node_ip is not None and cluster.node_ip.startswith("127.")
+    return _ENV | (_LOOPBACK_ENV if loopback else {})
 
 
 def ray_executable() -> str:
@@ -41,7 +50,7 @@ def start_head(cluster: ClusterSpec, timeout_s: float = 120.0) -> None:
         command.append(f"--node-ip-address={cluster.node_ip}")
     if cluster.num_cpus is not None:
         command.append(f"--num-cpus={cluster.num_cpus}")
-    result = subprocess.run(command, env=os.environ | _ENV, capture_output=True, text=True)
+    result = subprocess.run(command, env=os.environ | ray_env(cluster), capture_output=True, text=True)
     if result.returncode != 0:
         raise ClusterError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
     deadline = time.monotonic() + timeout_s
@@ -54,12 +63,3 @@ def start_head(cluster: ClusterSpec, timeout_s: float = 120.0) -> None:
 def stop_ray() -> None:
     subprocess.run([ray_executable(), "stop", "--force"], env=os.environ | _ENV,
                    capture_output=True, check=False)
-
-
-def connect(cluster: ClusterSpec) -> None:
-    """Attach this process to the cluster as a quiet driver (for registry and actor calls)."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=cluster.address, _node_ip_address=cluster.node_ip,
-                 log_to_driver=False, logging_level="ERROR", configure_logging=False)

@@ -117,6 +117,8 @@ class PoolSpec(_Strict):
     def _bounds(self) -> PoolSpec:
         low = self.min_replicas if self.min_replicas is not None else self.replicas
         high = self.max_replicas if self.max_replicas is not None else self.replicas
+        if low > high:
+            raise ValueError(f"min_replicas={low} is larger than max_replicas={high}")
         if not low <= self.replicas <= high:
             raise ValueError(
                 f"replicas={self.replicas} must lie within min_replicas={low} and max_replicas={high}"

@@ -7,8 +7,6 @@ per-deployment overrides, so changing only them scales in place without restarti
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,19 +14,20 @@ from typing import Any
 import httpx
 
 from orchestrator.app import pool_deployment_name
-from orchestrator.config import Topology
+from orchestrator.config import Topology, parse_topology
 from orchestrator.errors import ClusterError
 
 IMPORT_PATH = "orchestrator.app:build_app"
 _API = "/api/serve/applications/"
 
 
-def code_digest(topology: Topology) -> str:
-    """Digest of everything but replica counts: when it changes, Serve restarts the replicas."""
+def _without_counts(topology: Topology) -> dict[str, Any]:
+    """The topology with every pool at its lowest valid count. Serve hashes `args` into the
+    code version and restarts replicas when it changes, so counts travel as overrides instead."""
     data = topology.model_dump(mode="json")
     for pool in data["pools"]:
-        pool.pop("replicas")
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        pool["replicas"] = max(1, pool["min_replicas"] or 0)
+    return data
 
 
 def application_config(topology: Topology) -> dict[str, Any]:
@@ -37,13 +36,23 @@ def application_config(topology: Topology) -> dict[str, Any]:
         "name": topology.name,
         "route_prefix": topology.gateway.route_prefix,
         "import_path": IMPORT_PATH,
-        "args": {"topology": topology.model_dump(mode="json")},
-        "runtime_env": {"env_vars": {"TOKENFAB_CODE_DIGEST": code_digest(topology)}},
+        "args": {"topology": _without_counts(topology)},
         "deployments": [
             {"name": pool_deployment_name(pool.name), "num_replicas": pool.replicas}
             for pool in topology.pools
         ],
     }
+
+
+def topology_of(app_config: dict[str, Any]) -> Topology:
+    """Inverse of application_config: the topology with its replica counts restored."""
+    data = dict(app_config["args"]["topology"])
+    counts = {d["name"]: d.get("num_replicas") for d in app_config.get("deployments") or []}
+    data["pools"] = [
+        pool | {"replicas": counts.get(pool_deployment_name(pool["name"])) or pool["replicas"]}
+        for pool in data["pools"]
+    ]
+    return parse_topology(data, f"application {app_config['name']}")
 
 
 class ServeClient:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.config import Topology
 from pools.engine import Endpoint, ReplyHead
+from pools.registry import get_registry
 
 logger = logging.getLogger("tokenfab.access")
 
@@ -80,6 +81,12 @@ class Gateway:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/tokenfab/replicas")
+    async def replicas(self) -> list[dict[str, Any]]:
+        """Every pool replica's self-report (state, cores, load), for `tokenfab status`."""
+        reports = await get_registry(self._topology.name).snapshot.remote()
+        return [msgspec.to_builtins(report) for report in reports]
+
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         model = self._topology.model
@@ -136,10 +143,12 @@ class Gateway:
         if not isinstance(head, ReplyHead):
             replies.cancel()
             raise GatewayError(503, "pool replica sent no reply head")
+        headers = {"x-tokenfab-replica": head.replica_id}
         if not head.streaming:
             payload = await self._next(replies)
-            return Response(payload, status_code=head.status, media_type="application/json")
-        return StreamingResponse(self._relay(replies), media_type="text/event-stream")
+            return Response(payload, head.status, headers, media_type="application/json")
+        return StreamingResponse(self._relay(replies), headers=headers,
+                                 media_type="text/event-stream")
 
     async def _next(self, replies: DeploymentResponseGenerator) -> Any:
         """The next item of a reply stream within the request deadline, or a clear 503/504."""

@@ -1,11 +1,17 @@
-"""`tokenfab status`: Serve's view of each replica joined with what the replica reports of its load."""
+"""`tokenfab status`: Serve's view of each replica joined with what the replica reports of its load.
+
+Serve's view comes from the dashboard, the replicas' reports from the gateway; neither needs this
+process to join the Ray cluster.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.config import ClusterSpec, Topology, parse_topology
-from orchestrator.deploy import IMPORT_PATH, ServeClient
+import httpx
+
+from orchestrator.config import Topology
+from orchestrator.deploy import IMPORT_PATH, ServeClient, topology_of
 from orchestrator.errors import ClusterError
 
 _COLUMNS = [("pool", "POOL"), ("role", "ROLE"), ("replica", "REPLICA"), ("state", "STATE"),
@@ -21,21 +27,23 @@ def deployed_topology(client: ServeClient, app: str | None) -> Topology:
     if len(configs) != 1:
         names = [c["name"] for c in configs]
         raise ClusterError(f"expected one tokenfab application, found {names or 'none'}: use --app")
-    return parse_topology(configs[0]["args"]["topology"], f"application {configs[0]['name']}")
+    return topology_of(configs[0])
 
 
-def _reports(cluster: ClusterSpec, app: str) -> dict[str, Any]:
-    import ray
+def gateway_url(topology: Topology) -> str:
+    gateway = topology.gateway
+    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
+    return f"http://{host}:{gateway.port}{gateway.route_prefix.rstrip('/')}"
 
-    from orchestrator.cluster import connect
-    from pools.registry import NAMESPACE, registry_name
 
-    connect(cluster)
+def _reports(topology: Topology) -> dict[str, dict[str, Any]]:
     try:
-        registry = ray.get_actor(registry_name(app), namespace=NAMESPACE)
-    except ValueError:
-        return {}
-    return {r.replica_id: r for r in ray.get(registry.snapshot.remote(), timeout=10)}
+        response = httpx.get(f"{gateway_url(topology)}/tokenfab/replicas", timeout=10,
+                             trust_env=False)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return {}  # gateway not up yet: show Serve's view alone
+    return {report["replica_id"]: report for report in response.json()}
 
 
 def collect(dashboard_url: str, app: str | None) -> list[dict[str, Any]]:
@@ -43,7 +51,7 @@ def collect(dashboard_url: str, app: str | None) -> list[dict[str, Any]]:
     client = ServeClient(dashboard_url)
     topology = deployed_topology(client, app)
     details = client.application(topology.name) or {}
-    reports = _reports(topology.cluster, topology.name)
+    reports = _reports(topology)
     rows = []
     for pool in topology.pools:
         deployment = (details.get("deployments") or {}).get(f"pool-{pool.name}") or {}
@@ -52,16 +60,23 @@ def collect(dashboard_url: str, app: str | None) -> list[dict[str, Any]]:
     return rows
 
 
-def _row(pool: str, role: str, replica: dict[str, Any], report: Any) -> dict[str, Any]:
-    row = {"pool": pool, "role": role, "replica": replica["replica_id"],
-           "state": replica["state"], "node": replica.get("node_ip") or "-",
-           "health": "healthy" if replica["state"] == "RUNNING" else "not ready"}
+def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] | None) -> dict:
+    row: dict[str, Any] = {
+        "pool": pool, "role": role, "replica": replica["replica_id"], "state": replica["state"],
+        "node": replica.get("node_ip") or "-",
+        "health": "healthy" if replica["state"] == "RUNNING" else "not ready",
+    }
     if report is not None:
-        load = report.load
-        row |= {"cores": ",".join(map(str, report.cores)) or "-", "running": load.running,
-                "waiting": load.waiting, "kv_usage": round(100 * load.kv_cache_usage, 1),
-                "prefix_hit": round(100 * load.prefix_cache_hit_rate, 1),
-                "engine_start_s": round(report.engine_start_s, 1), "engine": report.state}
+        load = report["load"]
+        queries = load["prefix_cache_queries"]
+        row |= {
+            "cores": ",".join(map(str, report["cores"])) or "-",
+            "running": load["running"], "waiting": load["waiting"],
+            "kv_usage": round(100 * load["kv_cache_usage"], 1),
+            "prefix_hit": round(100 * load["prefix_cache_hits"] / queries, 1) if queries else 0.0,
+            "engine": report["state"], "engine_start_s": round(report["engine_start_s"], 1),
+            "kv_events_endpoint": report["kv_events_endpoint"],
+        }
     return row
 
 
@@ -71,20 +86,3 @@ def render(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
                      for line in table)
-
-
-def remove_registries(cluster: ClusterSpec, apps: list[str]) -> None:
-    """Kill the registry actors of removed applications (they are detached)."""
-    import ray
-
-    from orchestrator.cluster import connect
-    from pools.registry import NAMESPACE, registry_name
-
-    if not apps:
-        return
-    connect(cluster)
-    for app in apps:
-        try:
-            ray.kill(ray.get_actor(registry_name(app), namespace=NAMESPACE))
-        except ValueError:
-            pass

@@ -110,6 +110,8 @@ class PoolReplica:
         self._in_flight += 1
         try:
             async for item in self._engine.reply(endpoint, body):
+                if isinstance(item, ReplyHead):
+                    item = msgspec.structs.replace(item, replica_id=self._replica_id)
                 yield item
         finally:
             self._in_flight -= 1
@@ -139,8 +141,9 @@ class PoolReplica:
         while True:
             try:
                 await self._registry.report.remote(self.report())
-            except ray.exceptions.RayError as exc:  # registry restarting: the next beat retries
-                logger.debug("registry report failed: %s", exc)
+            except ray.exceptions.RayError as exc:  # its owner went away: make a new one
+                logger.info("registry unavailable (%s); recreating it", exc)
+                self._registry = get_registry(self._settings.app)
             await asyncio.sleep(REPORT_INTERVAL_S)
 
     async def __del__(self) -> None:

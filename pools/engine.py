@@ -37,6 +37,7 @@ class ReplyHead(msgspec.Struct, frozen=True):
 
     status: int
     streaming: bool
+    replica_id: str = ""
 
 
 class LoadSnapshot(msgspec.Struct, frozen=True):

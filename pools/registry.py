@@ -1,7 +1,8 @@
 """A small Ray actor where every replica reports what a router or `tokenfab status` needs.
 
 Replicas push a ReplicaReport every second; entries not refreshed within `ttl_s` are dropped, so a
-crashed or removed replica disappears on its own. Readers get plain snapshots.
+crashed or removed replica disappears on its own. Readers get plain snapshots. The actor is not
+detached: it dies with the application, and whoever finds it gone creates it again.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class ReplicaRegistry:
 
 
 def get_registry(app: str) -> ray.actor.ActorHandle:
-    """The application's registry, created on first use; it lives until `tokenfab down`."""
+    """The application's registry, created on first use by whichever process asks first."""
     return ReplicaRegistry.options(
-        name=registry_name(app), namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+        name=registry_name(app), namespace=NAMESPACE, get_if_exists=True
     ).remote()
