@@ -204,6 +204,7 @@ def _down(app: str | None, cluster_spec: ClusterSpec, stop_ray: bool) -> None:
         for name in names:
             config = (client.application(name) or {}).get("deployed_app_config")
             if client.delete(name, deploy.topology_of(config) if config else None):
+                deploy.wait_until_gone(client, name, timeout_s=180)
                 click.echo(f"removed application {name}")
     if stop_ray:
         cluster.stop_ray()

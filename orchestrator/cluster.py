@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,5 +62,25 @@ def start_head(cluster: ClusterSpec, timeout_s: float = 120.0) -> None:
 
 
 def stop_ray() -> None:
+    """Stop every Ray process on this machine, then engine processes they orphaned."""
     subprocess.run([ray_executable(), "stop", "--force"], env=os.environ | _ENV,
                    capture_output=True, check=False)
+    for pid in orphaned_engine_processes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def orphaned_engine_processes() -> list[int]:
+    """vLLM processes (titled `VLLM::...`) whose parent died: a killed replica leaves them."""
+    orphans = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text()
+        except OSError:
+            continue
+        name, rest = fields[fields.index("(") + 1:fields.rindex(")")], fields[fields.rindex(")") + 2:]
+        if name.startswith("VLLM::") and rest.split()[1] == "1":
+            orphans.append(int(stat.parent.name))
+    return orphans

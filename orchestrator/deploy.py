@@ -134,6 +134,15 @@ def wait_until_running(
     raise ClusterError(f"application {name} not running after {timeout_s:g} s: {last}")
 
 
+def wait_until_gone(client: ServeClient, name: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Wait until Serve has drained and removed the application (its engines are shut down)."""
+    deadline = time.monotonic() + timeout_s
+    while client.application(name) is not None:
+        if time.monotonic() > deadline:
+            raise ClusterError(f"application {name} still present after {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
 def describe(app: dict[str, Any] | None) -> str:
     """One line: application status, then each deployment's replica states."""
     if not app:

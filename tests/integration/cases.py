@@ -1,0 +1,47 @@
+"""Prompts compared token for token between the endpoint and a bare vLLM engine.
+
+Every prompt starts differently so none hits another's cached prefix (a cache hit changes the
+kernels' shapes, and with them the last bits of bf16 arithmetic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Chat:
+    id: str
+    messages: list
+    max_tokens: int
+
+
+def _words(seed: str, count: int) -> str:
+    vocab = ["river", "stone", "light", "market", "seven", "quiet", "engine", "paper", "green",
+             "north", "window", "table", "music", "forty", "silver", "garden", "road", "cloud"]
+    return " ".join(vocab[(len(seed) * 7 + i * 5 + i // 3) % len(vocab)] for i in range(count))
+
+
+PROMPTS = [
+    Prompt("short", "Hello, my name is", 24),
+    Prompt("one-block", "Once upon a time " + _words("one-block", 50), 24),
+    Prompt("several-blocks", "In the beginning " + _words("several", 230), 24),
+    Prompt("near-limit", "At the very edge " + _words("near-limit", 800), 8),
+]
+
+CHATS = [
+    Chat("single-turn", [{"role": "user", "content": "What is the capital of France?"}], 24),
+    Chat("with-system", [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+    ], 24),
+]

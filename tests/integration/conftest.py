@@ -1,0 +1,74 @@
+"""One Ray cluster and one two-replica deployment for the whole integration session.
+
+The deployment is made the way an operator would: `ray job submit` running `python -m
+orchestrator up` against a local head. Reference outputs come from a bare vLLM engine run first.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from orchestrator import cluster
+from orchestrator.config import Topology, load_topology
+from orchestrator.status import gateway_url
+
+ROOT = Path(__file__).resolve().parents[2]
+TOPOLOGY = ROOT / "tests/integration/topology.yaml"
+TOKENFAB = str(Path(sys.executable).with_name("tokenfab"))
+
+
+@dataclass(frozen=True)
+class Deployment:
+    topology: Topology
+    base_url: str  # http://host:port/v1
+    reference: dict[str, Any]
+    job_log: str
+
+    def tokenfab(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        dashboard = ["--dashboard", self.topology.cluster.dashboard_url]
+        return subprocess.run([TOKENFAB, *args, *dashboard], capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)
+
+
+def _run(command: list[str], timeout: float) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{command} failed ({result.returncode}):\n{output[-4000:]}"
+    return output
+
+
+@pytest.fixture(scope="session")
+def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    request.config._tokenfab_cluster_used = True
+    topology = load_topology(TOPOLOGY)
+    _run([TOKENFAB, "model", "tiny", "--out", topology.model.resolved_path, "--if-missing"], 120)
+    reference_file = tmp_path_factory.mktemp("reference") / "reference.json"
+    _run([sys.executable, "-m", "tests.integration.reference", str(TOPOLOGY), str(reference_file)],
+         600)
+    try:
+        cluster.start_head(topology.cluster)
+        job_log = _run([
+            str(Path(sys.executable).with_name("ray")), "job", "submit",
+            "--address", topology.cluster.dashboard_url, "--working-dir", str(ROOT), "--",
+            sys.executable, "-m", "orchestrator", "up", str(TOPOLOGY.relative_to(ROOT)),
+            "--timeout", "600",
+        ], 900)
+        yield Deployment(topology, f"{gateway_url(topology)}/v1",
+                         json.loads(reference_file.read_text()), job_log)
+    finally:
+        subprocess.run([TOKENFAB, "down", "--dashboard", topology.cluster.dashboard_url,
+                        "--stop-ray"], capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def http(deployment: Deployment):
+    with httpx.Client(base_url=deployment.base_url, timeout=120, trust_env=False) as client:
+        yield client

@@ -1,0 +1,174 @@
+"""Tests for topology parsing: valid documents and the exact error lines of invalid ones."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.config import Topology, load_topology, parse_topology
+from orchestrator.errors import TopologyError
+
+TOPOLOGIES = Path(__file__).resolve().parents[2] / "deploy" / "topologies"
+SOURCE = "t.yaml"
+MINIMAL: dict[str, Any] = {
+    "name": "t",
+    "model": {"name": "m", "path": "/models/m"},
+    "pools": [{"name": "main", "resources": {"kv_cache_bytes": "1MiB"}}],
+}
+
+
+def doc(**top: Any) -> dict[str, Any]:
+    """MINIMAL with top-level fields replaced (a value of None removes the field)."""
+    data = copy.deepcopy(MINIMAL) | top
+    return {key: value for key, value in data.items() if value is not None}
+
+
+def pool(**fields: Any) -> dict[str, Any]:
+    """The minimal pool with fields replaced."""
+    return copy.deepcopy(MINIMAL["pools"][0]) | fields
+
+
+def with_pool(**fields: Any) -> dict[str, Any]:
+    return doc(pools=[pool(**fields)])
+
+
+def cpu(kv: Any) -> dict[str, Any]:
+    return {"kv_cache_bytes": kv}
+
+
+# (document, the pool's (replicas, min_replicas, max_replicas, gpus, kv_cache_bytes))
+VALID: list[Any] = [
+    pytest.param(MINIMAL, (1, None, None, 0, 1_048_576), id="minimal"),
+    pytest.param(with_pool(replicas=3, min_replicas=2, max_replicas=4), (3, 2, 4, 0, 1_048_576),
+                 id="min-max-replicas"),
+    pytest.param(with_pool(replicas=1, min_replicas=0), (1, 0, None, 0, 1_048_576), id="min-zero"),
+    pytest.param(with_pool(resources={"gpus": 1}), (1, None, None, 1, None), id="gpu-without-kv"),
+    pytest.param(with_pool(resources=cpu("512MiB")), (1, None, None, 0, 536_870_912), id="512MiB"),
+    pytest.param(with_pool(resources=cpu("0.5GiB")), (1, None, None, 0, 536_870_912), id="0.5GiB"),
+    pytest.param(with_pool(resources=cpu(2_000_000)), (1, None, None, 0, 2_000_000), id="int-bytes"),
+    pytest.param(with_pool(resources=cpu("2GB")), (1, None, None, 0, 2_000_000_000), id="2GB"),
+    pytest.param(with_pool(resources=cpu("1 KiB")), (1, None, None, 0, 1024), id="space-KiB"),
+    pytest.param(with_pool(resources=cpu("3k")), (1, None, None, 0, 3000), id="bare-k"),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), VALID)
+def test_valid_topologies(data: dict[str, Any], expected: tuple[Any, ...]) -> None:
+    topology = parse_topology(data, SOURCE)
+    (only,) = topology.pools
+    got = (only.replicas, only.min_replicas, only.max_replicas,
+           only.resources.gpus, only.resources.kv_cache_bytes)
+    assert got == expected
+
+
+def test_minimal_topology_defaults() -> None:
+    topology = parse_topology(MINIMAL, SOURCE)
+    assert (topology.name, topology.model.dtype, topology.model.max_model_len) == ("t", "auto", 2048)
+    assert (topology.pools[0].role, topology.gateway.port, topology.gateway.max_body_bytes) == (
+        "unified", 8000, 1_048_576)
+    assert topology.pool("main") is topology.pools[0]
+
+
+OWNED = "engine_args.max_model_len is set by tokenfab: use model.max_model_len"
+INVALID: list[Any] = [
+    pytest.param(doc(colour="red"), ["colour: Extra inputs are not permitted"], id="unknown-top-field"),
+    pytest.param(with_pool(resources={"kv_cache_bytes": 1, "gpu": 1}),
+                 ["pools.0.resources.gpu: Extra inputs are not permitted"], id="unknown-resource-field"),
+    pytest.param(with_pool(role="encode"),
+                 ["pools.0.role: Input should be 'unified', 'prefill' or 'decode'"], id="bad-role"),
+    pytest.param(with_pool(replicas=0),
+                 ["pools.0.replicas: Input should be greater than or equal to 1"], id="replicas-0"),
+    pytest.param(with_pool(replicas=5, min_replicas=1, max_replicas=4),
+                 ["pools.0: replicas=5 must lie within min_replicas=1 and max_replicas=4"],
+                 id="replicas-above-max"),
+    pytest.param(with_pool(replicas=1, min_replicas=2, max_replicas=4),
+                 ["pools.0: replicas=1 must lie within min_replicas=2 and max_replicas=4"],
+                 id="replicas-below-min"),
+    pytest.param(with_pool(min_replicas=3, max_replicas=2),
+                 ["pools.0: min_replicas=3 is larger than max_replicas=2"], id="min-above-max"),
+    pytest.param(doc(pools=[pool(), pool()]),
+                 ["(top level): pool names must be unique, got ['main', 'main']"], id="duplicate-pools"),
+    pytest.param(with_pool(role="prefill"),
+                 ["(top level): a prefill pool needs a decode pool and the other way round"],
+                 id="prefill-without-decode"),
+    pytest.param(with_pool(role="decode"),
+                 ["(top level): a prefill pool needs a decode pool and the other way round"],
+                 id="decode-without-prefill"),
+    pytest.param(with_pool(resources={}),
+                 ["(top level): pool 'main': resources.kv_cache_bytes is required on CPU"],
+                 id="cpu-without-kv"),
+    pytest.param(doc(engine_args={"max_model_len": 10}), [f"engine_args: {OWNED}"],
+                 id="owned-arg-top-level"),
+    # The pool's index is lost: the line cannot tell which pool (see the report).
+    pytest.param(with_pool(engine_args={"max_model_len": 10}), [f"(top level): {OWNED}"],
+                 id="owned-arg-in-pool"),
+    pytest.param(with_pool(resources=cpu("12 parsecs")),
+                 ["pools.0.resources.kv_cache_bytes: expected a byte size such as 512MiB or 2GiB, "
+                  "got '12 parsecs'"], id="bad-byte-size"),
+    pytest.param(with_pool(resources=cpu(0)),
+                 ["pools.0.resources.kv_cache_bytes: Input should be greater than 0"], id="zero-bytes"),
+    pytest.param(with_pool(resources=cpu(True)),
+                 ["pools.0.resources.kv_cache_bytes: expected a byte size such as 512MiB, "
+                  "not a boolean"], id="boolean-bytes"),
+    pytest.param(with_pool(name="Main_Pool"),
+                 ["pools.0.name: String should match pattern '^[a-z][a-z0-9-]{0,30}$'"],
+                 id="bad-pool-name"),
+    pytest.param([MINIMAL], ["(top level): expected a mapping of fields"], id="list-document"),
+    pytest.param(None, ["(top level): expected a mapping of fields"], id="empty-document"),
+    pytest.param(doc(model=None), ["model: Field required"], id="missing-model"),
+    pytest.param(doc(pools=[]),
+                 ["pools: List should have at least 1 item after validation, not 0"], id="no-pools"),
+    pytest.param(doc(autoscaler={"enabled": True}), ["autoscaler.enabled: Input should be False"],
+                 id="autoscaler-enabled"),
+    pytest.param(with_pool(role="encode", replicas=0),
+                 ["pools.0.role: Input should be 'unified', 'prefill' or 'decode'",
+                  "pools.0.replicas: Input should be greater than or equal to 1"], id="two-errors"),
+]
+
+
+@pytest.mark.parametrize(("data", "problems"), INVALID)
+def test_invalid_topologies(data: Any, problems: list[str]) -> None:
+    with pytest.raises(TopologyError) as caught:
+        parse_topology(data, SOURCE)
+    assert caught.value.problems == [f"{SOURCE}: {line}" for line in problems]
+    assert str(caught.value) == "\n".join(caught.value.problems)
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(TopologyError) as caught:
+        load_topology(path)
+    assert caught.value.problems == [f"{path}: cannot read: No such file or directory"]
+
+
+def test_load_invalid_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: t\npools: [unclosed\n")
+    with pytest.raises(TopologyError) as caught:
+        load_topology(path)
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"{path}: not valid YAML: ")
+
+
+def test_load_names_the_file_in_field_errors(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: t\nmodel: {name: m, path: /m}\npools: [{name: main, replicas: 0}]\n")
+    with pytest.raises(TopologyError) as caught:
+        load_topology(path)
+    assert caught.value.problems == [
+        f"{path}: pools.0.replicas: Input should be greater than or equal to 1"]
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "gpu-llama3-8b.yaml"])
+def test_shipped_topologies_validate(name: str) -> None:
+    assert isinstance(load_topology(TOPOLOGIES / name), Topology)
+
+
+def test_shipped_topology_values() -> None:
+    local = load_topology(TOPOLOGIES / "local.yaml")
+    gpu = load_topology(TOPOLOGIES / "gpu-llama3-8b.yaml")
+    assert (local.pools[0].resources.kv_cache_bytes, local.cluster.num_cpus) == (268_435_456, 2)
+    assert (gpu.pools[0].replicas, gpu.pools[0].resources.gpus, gpu.cluster.node_ip) == (2, 1, None)
