@@ -113,16 +113,22 @@ class PoolSpec(_Strict):
     )
     max_ongoing_requests: int = Field(64, ge=1, description="Requests one replica accepts.")
 
+    @field_validator("engine_args")
+    @classmethod
+    def _own_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_owned(value)
+
     @model_validator(mode="after")
     def _bounds(self) -> PoolSpec:
-        low = self.min_replicas if self.min_replicas is not None else self.replicas
-        high = self.max_replicas if self.max_replicas is not None else self.replicas
-        if low > high:
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
             raise ValueError(f"min_replicas={low} is larger than max_replicas={high}")
-        if not low <= self.replicas <= high:
-            raise ValueError(
-                f"replicas={self.replicas} must lie within min_replicas={low} and max_replicas={high}"
-            )
+        if self.min_replicas is not None and self.replicas < self.min_replicas:
+            raise ValueError(f"replicas={self.replicas} is below min_replicas={self.min_replicas}")
+        if self.max_replicas is not None and self.replicas > self.max_replicas:
+            raise ValueError(f"replicas={self.replicas} is above max_replicas={self.max_replicas}")
+        if self.resources.gpus == 0 and self.resources.kv_cache_bytes is None:
+            raise ValueError("resources.kv_cache_bytes is required on CPU (gpus: 0)")
         return self
 
 
@@ -202,19 +208,16 @@ class Topology(_Strict):
     def _shared_args(cls, value: dict[str, Any]) -> dict[str, Any]:
         return _check_owned(value)
 
-    @model_validator(mode="after")
-    def _pools(self) -> Topology:
-        names = [pool.name for pool in self.pools]
+    @field_validator("pools")
+    @classmethod
+    def _pool_set(cls, pools: list[PoolSpec]) -> list[PoolSpec]:
+        names = [pool.name for pool in pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
-        roles = {pool.role for pool in self.pools}
+        roles = {pool.role for pool in pools}
         if ("prefill" in roles) != ("decode" in roles):
             raise ValueError("a prefill pool needs a decode pool and the other way round")
-        for pool in self.pools:
-            _check_owned(pool.engine_args)
-            if pool.resources.gpus == 0 and pool.resources.kv_cache_bytes is None:
-                raise ValueError(f"pool {pool.name!r}: resources.kv_cache_bytes is required on CPU")
-        return self
+        return pools
 
     def pool(self, name: str) -> PoolSpec:
         return next(pool for pool in self.pools if pool.name == name)
@@ -223,7 +226,7 @@ class Topology(_Strict):
 def _check_owned(args: dict[str, Any]) -> dict[str, Any]:
     for key in args:
         if key in OWNED_ENGINE_ARGS:
-            raise ValueError(f"engine_args.{key} is set by tokenfab: use {OWNED_ENGINE_ARGS[key]}")
+            raise ValueError(f"{key} is set by tokenfab: use {OWNED_ENGINE_ARGS[key]}")
     return args
 
 

@@ -22,7 +22,7 @@ class CoreClaim:
 
     @property
     def omp_bind(self) -> str:
-        """The value vLLM's CPU worker expects in VLLM_CPU_OMP_THREADS_BIND, e.g. "2-3"."""
+        """The value vLLM's CPU worker expects in VLLM_CPU_OMP_THREADS_BIND, e.g. "2,3"."""
         return ",".join(str(core) for core in self.cores)
 
     def release(self) -> None:
@@ -33,6 +33,8 @@ class CoreClaim:
 
 def claim_cores(count: int, lock_dir: Path = LOCK_DIR) -> CoreClaim | None:
     """Claim `count` cores no other replica on this node holds; None when too few are free."""
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
     lock_dir.mkdir(parents=True, exist_ok=True)
     claimed: list[int] = []
     files: list[int] = []

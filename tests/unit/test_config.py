@@ -72,7 +72,7 @@ def test_minimal_topology_defaults() -> None:
     assert topology.pool("main") is topology.pools[0]
 
 
-OWNED = "engine_args.max_model_len is set by tokenfab: use model.max_model_len"
+OWNED = "max_model_len is set by tokenfab: use model.max_model_len"
 INVALID: list[Any] = [
     pytest.param(doc(colour="red"), ["colour: Extra inputs are not permitted"], id="unknown-top-field"),
     pytest.param(with_pool(resources={"kv_cache_bytes": 1, "gpu": 1}),
@@ -82,28 +82,28 @@ INVALID: list[Any] = [
     pytest.param(with_pool(replicas=0),
                  ["pools.0.replicas: Input should be greater than or equal to 1"], id="replicas-0"),
     pytest.param(with_pool(replicas=5, min_replicas=1, max_replicas=4),
-                 ["pools.0: replicas=5 must lie within min_replicas=1 and max_replicas=4"],
+                 ["pools.0: replicas=5 is above max_replicas=4"],
                  id="replicas-above-max"),
     pytest.param(with_pool(replicas=1, min_replicas=2, max_replicas=4),
-                 ["pools.0: replicas=1 must lie within min_replicas=2 and max_replicas=4"],
+                 ["pools.0: replicas=1 is below min_replicas=2"],
                  id="replicas-below-min"),
     pytest.param(with_pool(min_replicas=3, max_replicas=2),
                  ["pools.0: min_replicas=3 is larger than max_replicas=2"], id="min-above-max"),
     pytest.param(doc(pools=[pool(), pool()]),
-                 ["(top level): pool names must be unique, got ['main', 'main']"], id="duplicate-pools"),
+                 ["pools: pool names must be unique, got ['main', 'main']"], id="duplicate-pools"),
     pytest.param(with_pool(role="prefill"),
-                 ["(top level): a prefill pool needs a decode pool and the other way round"],
+                 ["pools: a prefill pool needs a decode pool and the other way round"],
                  id="prefill-without-decode"),
     pytest.param(with_pool(role="decode"),
-                 ["(top level): a prefill pool needs a decode pool and the other way round"],
+                 ["pools: a prefill pool needs a decode pool and the other way round"],
                  id="decode-without-prefill"),
     pytest.param(with_pool(resources={}),
-                 ["(top level): pool 'main': resources.kv_cache_bytes is required on CPU"],
+                 ["pools.0: resources.kv_cache_bytes is required on CPU (gpus: 0)"],
                  id="cpu-without-kv"),
     pytest.param(doc(engine_args={"max_model_len": 10}), [f"engine_args: {OWNED}"],
                  id="owned-arg-top-level"),
     # The pool's index is lost: the line cannot tell which pool (see the report).
-    pytest.param(with_pool(engine_args={"max_model_len": 10}), [f"(top level): {OWNED}"],
+    pytest.param(with_pool(engine_args={"max_model_len": 10}), [f"pools.0.engine_args: {OWNED}"],
                  id="owned-arg-in-pool"),
     pytest.param(with_pool(resources=cpu("12 parsecs")),
                  ["pools.0.resources.kv_cache_bytes: expected a byte size such as 512MiB or 2GiB, "
