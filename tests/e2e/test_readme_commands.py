@@ -1,0 +1,68 @@
+"""The README's commands, run as a newcomer would: the setup is idempotent, and the main job
+serves the tiny model on http://127.0.0.1:8000/v1 until Ctrl-C, then leaves nothing behind.
+
+These run before tests/integration (pytest collects e2e first), never beside its cluster: the
+main job's teardown stops every Ray process on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import leftover_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = os.environ | {"TOKENFAB_VENV": sys.prefix, "PYTHONUNBUFFERED": "1"}
+
+
+def test_setup_is_idempotent() -> None:
+    subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=ENV, check=True,
+                   capture_output=True, timeout=900)
+    started = time.monotonic()
+    again = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=ENV, check=True,
+                           capture_output=True, text=True, timeout=120)
+    assert "setup: reusing virtualenv" in again.stdout
+    assert "setup: reusing model" in again.stdout
+    assert time.monotonic() - started < 30
+
+
+def _wait_for_line(process: subprocess.Popen, needle: str, timeout_s: float) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"no {needle!r} within {timeout_s} s:\n{''.join(lines[-40:])}")
+
+
+def test_main_job_serves_until_ctrl_c(pytestconfig) -> None:
+    pytestconfig._tokenfab_cluster_used = True
+    process = subprocess.Popen(["bash", "scripts/serve.sh"], cwd=ROOT, env=ENV, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        lines = _wait_for_line(process, "serving; press Ctrl-C", 600)
+        assert any("try: curl http://127.0.0.1:8000/v1/completions" in line for line in lines)
+        assert any("pool-main: 1 starting" in line for line in lines)  # progress while waiting
+        response = httpx.post("http://127.0.0.1:8000/v1/completions", trust_env=False, timeout=60,
+                              json={"model": "tiny", "prompt": "Hello", "max_tokens": 5})
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 5
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output
+    assert "removed application local" in output and "stopped Ray" in output
+    assert leftover_processes() == []
