@@ -17,6 +17,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -160,7 +161,7 @@ class Gateway:
             raise GatewayError(504, f"no reply from the engine within {timeout:g} s") from exc
         except StopAsyncIteration as exc:
             raise _EndOfReply() from exc
-        except (ray.exceptions.RayError, RuntimeError) as exc:
+        except (ray.exceptions.RayError, RayServeException) as exc:
             logger.warning("pool replica failed: %s", exc)
             raise GatewayError(503, "engine replica unavailable; retry") from exc
 

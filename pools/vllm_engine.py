@@ -125,6 +125,7 @@ class VllmEngine:
         self._llm: Any = None
         self._serving: dict[Endpoint, Any] = {}
         self._requests: dict[Endpoint, Any] = {}
+        self._error_type: type = type(None)
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -132,6 +133,7 @@ class VllmEngine:
         from vllm.entrypoints.launchers.cli_args import FrontendArgs
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Chat
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -150,6 +152,7 @@ class VllmEngine:
         await init_app_state(self._llm, state, args, supported_tasks=tasks)
         self._serving = {"completions": state.openai_serving_completion, "chat": state.openai_serving_chat}
         self._requests = {"completions": CompletionRequest, "chat": Chat}
+        self._error_type = ErrorResponse
 
     async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
         try:
@@ -175,8 +178,7 @@ class VllmEngine:
             async for chunk in result:
                 yield chunk.encode()
             return
-        error = getattr(result, "error", None)
-        status = error.code if error is not None and result.__class__.__name__ == "ErrorResponse" else 200
+        status = result.error.code if isinstance(result, self._error_type) else 200
         yield ReplyHead(status, streaming=False)
         yield result.model_dump_json(exclude_none=status != 200).encode()
 

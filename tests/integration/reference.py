@@ -13,6 +13,13 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 
+def _record(outputs: list) -> dict:
+    [output] = outputs
+    completion = output.outputs[0]
+    return {"prompt_token_ids": output.prompt_token_ids, "token_ids": list(completion.token_ids),
+            "text": completion.text}
+
+
 def main(topology_path: str, out: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -29,19 +36,16 @@ def main(topology_path: str, out: str) -> None:
         enable_prefix_caching=True,
         **(topology.engine_args | pool.engine_args),
     )
-    results: dict[str, list] = {"prompts": [], "chats": []}
-    for case in PROMPTS:
-        params = SamplingParams(temperature=0, max_tokens=case.max_tokens)
-        [output] = llm.generate([case.prompt], params, use_tqdm=False)
-        results["prompts"].append({"prompt_token_ids": output.prompt_token_ids,
-                                   "token_ids": list(output.outputs[0].token_ids),
-                                   "text": output.outputs[0].text})
-    for case in CHATS:
-        params = SamplingParams(temperature=0, max_tokens=case.max_tokens)
-        [output] = llm.chat([case.messages], params, use_tqdm=False)
-        results["chats"].append({"prompt_token_ids": output.prompt_token_ids,
-                                 "token_ids": list(output.outputs[0].token_ids),
-                                 "text": output.outputs[0].text})
+
+    def greedy(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+    results = {
+        "prompts": [_record(llm.generate([c.prompt], greedy(c.max_tokens), use_tqdm=False))
+                    for c in PROMPTS],
+        "chats": [_record(llm.chat([c.messages], greedy(c.max_tokens), use_tqdm=False))
+                  for c in CHATS],
+    }
     with open(out, "w") as f:
         json.dump(results, f)
 

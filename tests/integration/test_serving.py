@@ -175,6 +175,24 @@ def test_status_shows_healthy_replicas_on_their_own_cores(deployment: Deployment
     assert table.count("healthy") == 2 and "POOL" in table
 
 
+def test_replicas_report_engine_load(deployment: Deployment, http: httpx.Client) -> None:
+    prompt = "load stats " + "paper garden " * 150
+    for _ in range(8):  # until a replica serves the prompt a second time, from its prefix cache
+        response = http.post("/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if cached:
+            break
+    assert cached >= 128
+    replica = response.headers["x-tokenfab-replica"]
+    time.sleep(2.5)  # replicas report every second
+    reports = httpx.get(deployment.base_url.removesuffix("/v1") + "/tokenfab/replicas",
+                        trust_env=False).json()
+    load = next(r["load"] for r in reports if r["replica_id"] == replica)
+    assert load["prefix_cache_queries"] >= 2 * response.json()["usage"]["prompt_tokens"]
+    assert load["prefix_cache_hits"] >= cached
+    assert 0.0 <= load["kv_cache_usage"] <= 1.0
+
+
 def test_kv_events_published_on_the_replica_endpoint(deployment: Deployment, http: httpx.Client) -> None:
     import msgspec
     import zmq
