@@ -51,6 +51,7 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
         pin_cores=pool.resources.pin_cores,
         kv_events=topology.kv_events.enabled,
         drain_timeout_s=DRAIN_TIMEOUT_S,
+        nixl_progress_delay_us=topology.disaggregation.nixl_progress_delay_us,
     )
 
 
@@ -74,12 +75,6 @@ def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
 
 
 def build_topology_app(topology: Topology) -> Application:
-    for index, pool in enumerate(topology.pools):
-        if pool.role != "unified":
-            raise TopologyError([
-                f"pools.{index}.role: {pool.role!r} pools need prefill/decode disaggregation, "
-                "which this build does not include yet; use role: unified"
-            ])
     pools = {pool.name: _pool_app(topology, pool) for pool in topology.pools}
     gateway = serve.deployment(Gateway).options(
         name="gateway",

@@ -158,6 +158,21 @@ class GatewaySpec(_Strict):
         return parse_bytes(value)
 
 
+class DisaggregationSpec(_Strict):
+    """How requests flow through prefill and decode pools (ignored by unified topologies)."""
+
+    min_prompt_tokens: int = Field(
+        256, ge=0, description="Shorter prompts skip the prefill pool: decode computes them itself."
+    )
+    prefill_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of the prefill leg; past it decode recomputes the prompt."
+    )
+    nixl_progress_delay_us: int = Field(
+        0, ge=0, description="Sleep of NIXL's progress thread between polls; 0 spins (lowest "
+        "latency, one busy core per engine). CPU replicas want ~1000.",
+    )
+
+
 class KVEventsSpec(_Strict):
     """Publication of each engine's KV cache events (consumed by the KV-aware router)."""
 
@@ -199,6 +214,7 @@ class Topology(_Strict):
     pools: list[PoolSpec] = Field(min_length=1, description="Engine pools.")
     router: RouterSpec = Field(default_factory=RouterSpec)
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    disaggregation: DisaggregationSpec = Field(default_factory=DisaggregationSpec)
     kv_events: KVEventsSpec = Field(default_factory=KVEventsSpec)
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     autoscaler: AutoscalerSpec = Field(default_factory=AutoscalerSpec)
@@ -217,6 +233,8 @@ class Topology(_Strict):
         roles = {pool.role for pool in pools}
         if ("prefill" in roles) != ("decode" in roles):
             raise ValueError("a prefill pool needs a decode pool and the other way round")
+        if "unified" in roles and len(roles) > 1:
+            raise ValueError("unified pools and prefill/decode pools go in separate topologies")
         return pools
 
     def pool(self, name: str) -> PoolSpec:

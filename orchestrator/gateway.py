@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import ray
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -21,9 +22,12 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtransfer.metrics import TransferMetrics
 from orchestrator.config import Topology
+from orchestrator.pd_flow import PDFlow
 from pools.engine import Endpoint, ReplyHead
 from pools.registry import get_registry
+from pools.tokenizer import PromptTokenCounter
 
 logger = logging.getLogger("tokenfab.access")
 
@@ -61,6 +65,14 @@ def _sse_error(message: str) -> bytes:
     return b"data: " + msgspec.json.encode({"error": error}) + b"\n\n"
 
 
+async def _close(replies: Any) -> None:
+    """Stop a reply stream: a Serve response is cancelled, the P/D flow's generator closed."""
+    if isinstance(replies, DeploymentResponseGenerator):
+        replies.cancel()
+    else:
+        await replies.aclose()
+
+
 app = FastAPI(title="tokenfab", docs_url=None, redoc_url=None)
 
 
@@ -75,12 +87,39 @@ class Gateway:
 
     def __init__(self, topology: dict[str, Any], pools: dict[str, DeploymentHandle]) -> None:
         self._topology = Topology.model_validate(topology)
-        self._pools = itertools.cycle(pools.values())
         self._created = int(time.time())
+        self._registry = CollectorRegistry()
+        self._pd: PDFlow | None = None
+        roles = {pool.name: pool.role for pool in self._topology.pools}
+        unified = [handle for name, handle in pools.items() if roles[name] == "unified"]
+        self._unified = itertools.cycle(unified) if unified else None
+        if not unified:
+            self._pd = PDFlow(
+                prefill=[h for name, h in pools.items() if roles[name] == "prefill"],
+                decode=[h for name, h in pools.items() if roles[name] == "decode"],
+                spec=self._topology.disaggregation,
+                counter=PromptTokenCounter(self._topology.model.resolved_path),
+                metrics=TransferMetrics(self._registry),
+            )
+
+    def _replies(self, endpoint: Endpoint, body: dict[str, Any]) -> Any:
+        """The reply stream of one request: straight from a unified pool, or the P/D flow's."""
+        if self._pd is not None:
+            return self._pd.reply(endpoint, body)
+        return next(self._unified).options(stream=True).reply.remote(endpoint, body)
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/tokenfab/pd")
+    async def pd_counters(self) -> dict[str, int]:
+        """Counters of the prefill/decode flow (empty for unified topologies)."""
+        return dict(self._pd.metrics.tally) if self._pd else {}
 
     @app.get("/tokenfab/replicas")
     async def replicas(self) -> list[dict[str, Any]]:
@@ -138,11 +177,10 @@ class Gateway:
         return body
 
     async def _dispatch(self, endpoint: Endpoint, body: dict[str, Any]) -> Response:
-        handle = next(self._pools)
-        replies: DeploymentResponseGenerator = handle.options(stream=True).reply.remote(endpoint, body)
+        replies = self._replies(endpoint, body)
         head = await self._next(replies)
         if not isinstance(head, ReplyHead):
-            replies.cancel()
+            await _close(replies)
             raise GatewayError(503, "pool replica sent no reply head")
         headers = {"x-tokenfab-replica": head.replica_id}
         if not head.streaming:
@@ -151,13 +189,13 @@ class Gateway:
         return StreamingResponse(self._relay(replies), headers=headers,
                                  media_type="text/event-stream")
 
-    async def _next(self, replies: DeploymentResponseGenerator) -> Any:
+    async def _next(self, replies: Any) -> Any:
         """The next item of a reply stream within the request deadline, or a clear 503/504."""
         timeout = self._topology.gateway.request_timeout_s
         try:
             return await asyncio.wait_for(replies.__anext__(), timeout)
         except asyncio.TimeoutError as exc:
-            replies.cancel()
+            await _close(replies)
             raise GatewayError(504, f"no reply from the engine within {timeout:g} s") from exc
         except StopAsyncIteration as exc:
             raise _EndOfReply() from exc
@@ -165,7 +203,7 @@ class Gateway:
             logger.warning("pool replica failed: %s", exc)
             raise GatewayError(503, "engine replica unavailable; retry") from exc
 
-    async def _relay(self, replies: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    async def _relay(self, replies: Any) -> AsyncIterator[bytes]:
         try:
             while True:
                 try:
@@ -177,4 +215,4 @@ class Gateway:
                     return
                 yield item
         finally:
-            replies.cancel()  # client gone or stream done: abort the engine request if still running
+            await _close(replies)  # client gone or stream done: abort engine requests still running

@@ -16,7 +16,8 @@ from orchestrator.errors import ClusterError
 
 _COLUMNS = [("pool", "POOL"), ("role", "ROLE"), ("replica", "REPLICA"), ("state", "STATE"),
             ("health", "HEALTH"), ("node", "NODE"), ("cores", "CORES"), ("running", "RUN"),
-            ("waiting", "WAIT"), ("kv_usage", "KV%"), ("prefix_hit", "HIT%")]
+            ("waiting", "WAIT"), ("kv_usage", "KV%"), ("prefix_hit", "HIT%"),
+            ("kv_transfers", "XFERS"), ("kv_transfer_failures", "XFAIL")]
 
 
 def deployed_topology(client: ServeClient, app: str | None) -> Topology:
@@ -76,6 +77,13 @@ def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] |
             "prefix_hit": round(100 * load["prefix_cache_hits"] / queries, 1) if queries else 0.0,
             "engine": report["state"], "engine_start_s": round(report["engine_start_s"], 1),
             "kv_events_endpoint": report["kv_events_endpoint"],
+            "side_channel": report["side_channel"],
+            "kv_transfers": load["kv_transfers"],
+            "kv_transfer_bytes": load["kv_transfer_bytes"],
+            "kv_transfer_failures": load["kv_transfer_failures"],
+            "prompt_tokens": {"computed": load["prompt_tokens_computed"],
+                              "local_hit": load["prompt_tokens_local_hit"],
+                              "transferred": load["prompt_tokens_transferred"]},
         }
     return row
 

@@ -17,6 +17,8 @@ import msgspec
 import ray
 from ray import serve
 
+from kvtransfer import nixl_tuning
+from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import Endpoint, EngineSpec, ReplyHead
 from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
@@ -38,6 +40,7 @@ class ReplicaSettings(msgspec.Struct, frozen=True):
     pin_cores: bool
     kv_events: bool
     drain_timeout_s: float = 60.0
+    nixl_progress_delay_us: int = 0
 
 
 def _draining_reply() -> list[ReplyHead | bytes]:
@@ -63,10 +66,12 @@ class PoolReplica:
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._node_ip = settings.node_ip or ray.util.get_node_ip_address()
         self._cores = self._place_engine()
+        self._side_channel: SideChannel | None = None
         self._state = "starting"
         self._in_flight = 0
         if settings.kv_events:
             spec = self._with_kv_events(spec)
+        spec = self._with_kv_transfer(spec)
         self._spec = spec
         self._engine = VllmEngine(spec)
         self._registry = get_registry(settings.app)
@@ -99,6 +104,16 @@ class PoolReplica:
             kv_events_endpoint=f"ipc://{base}.kv",
             kv_events_replay_endpoint=f"ipc://{base}.replay",
         )
+
+    def _with_kv_transfer(self, spec: EngineSpec) -> EngineSpec:
+        config = connector_config(self._settings.role, self._replica_id, self._settings.gpus > 0)
+        if config is None:
+            return spec
+        self._side_channel = reserve_side_channel(self._node_ip)
+        os.environ.update(self._side_channel.env())
+        if self._settings.nixl_progress_delay_us:
+            os.environ[nixl_tuning.ENV] = str(self._settings.nixl_progress_delay_us)
+        return msgspec.structs.replace(spec, kv_transfer_config=config)
 
     async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
         """Answer one OpenAI request; see pools.engine.ReplyHead for the stream's shape."""
@@ -133,6 +148,8 @@ class PoolReplica:
             replica_id=self._replica_id, node_ip=self._node_ip, pid=os.getpid(),
             cores=self._cores.cores if self._cores else [], state=self._state, load=self._load(),
             kv_events_endpoint=self._spec.kv_events_endpoint, started_s=self._started,
+            side_channel=f"{self._side_channel.host}:{self._side_channel.port}"
+            if self._side_channel else None,
             engine_start_s=getattr(self, "_engine_start_s", 0.0),
         )
 

@@ -26,6 +26,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     gpus: int = 0
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    kv_transfer_config: dict[str, Any] | None = None  # NixlConnector settings (kvtransfer.nixl)
 
 
 class ReplyHead(msgspec.Struct, frozen=True):
@@ -44,6 +45,9 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     """One replica's load, as its engine last reported it (refreshed every engine step).
 
     `kv_cache_usage` is in [0, 1]; `prefix_cache_hit_rate` is hits / queried tokens since start.
+    Prompt tokens are counted by where their KV came from (computed here, this engine's prefix
+    cache, or a KV transfer); the kv_transfer_* counters are the decode side's pulls. All
+    counters are totals since the engine started.
     """
 
     running: int = 0
@@ -52,6 +56,13 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     in_flight: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_local_hit: int = 0
+    prompt_tokens_transferred: int = 0
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

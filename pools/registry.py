@@ -31,6 +31,7 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     state: str  # "starting", "ready", "draining"
     load: LoadSnapshot
     kv_events_endpoint: str | None = None
+    side_channel: str | None = None  # NIXL side channel host:port of prefill/decode engines
     started_s: float = 0.0
     engine_start_s: float = 0.0
     reported_at: float = 0.0

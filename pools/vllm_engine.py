@@ -35,7 +35,7 @@ def engine_arg_names() -> frozenset[str]:
 
 def build_engine_args(spec: EngineSpec) -> Any:
     """Translate an EngineSpec into vLLM's `AsyncEngineArgs`."""
-    from vllm.config import KVEventsConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kwargs: dict[str, Any] = _ENGINE_DEFAULTS | dict(spec.engine_args)
@@ -57,6 +57,8 @@ def build_engine_args(spec: EngineSpec) -> Any:
             replay_endpoint=spec.kv_events_replay_endpoint,
             topic="kv-events",
         )
+    if spec.kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec.kv_transfer_config)
     return AsyncEngineArgs(**kwargs)
 
 
@@ -78,6 +80,8 @@ class _LoadRecorder:
             def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
                 if scheduler_stats is not None:
                     recorder.update(scheduler_stats)
+                if iteration_stats is not None:
+                    recorder.count_prompt_tokens(iteration_stats.prompt_token_stats)
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -85,15 +89,39 @@ class _LoadRecorder:
         return _Logger(vllm_config, engine_index)
 
     def update(self, stats: Any) -> None:
-        prefix = stats.prefix_cache_stats
+        prefix, old = stats.prefix_cache_stats, self.snapshot
+        transfers = _connector_counts(stats.kv_connector_stats)
         self.snapshot = msgspec.structs.replace(
-            self.snapshot,
+            old,
             running=stats.num_running_reqs,
             waiting=stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
             kv_cache_usage=stats.kv_cache_usage,
-            prefix_cache_queries=self.snapshot.prefix_cache_queries + prefix.queries,
-            prefix_cache_hits=self.snapshot.prefix_cache_hits + prefix.hits,
+            prefix_cache_queries=old.prefix_cache_queries + prefix.queries,
+            prefix_cache_hits=old.prefix_cache_hits + prefix.hits,
+            kv_transfers=old.kv_transfers + transfers["transfers"],
+            kv_transfer_bytes=old.kv_transfer_bytes + transfers["bytes"],
+            kv_transfer_seconds=old.kv_transfer_seconds + transfers["seconds"],
+            kv_transfer_failures=old.kv_transfer_failures + transfers["failures"],
         )
+
+    def count_prompt_tokens(self, prompt: Any) -> None:
+        old = self.snapshot
+        self.snapshot = msgspec.structs.replace(
+            old,
+            prompt_tokens_computed=old.prompt_tokens_computed + prompt.computed,
+            prompt_tokens_local_hit=old.prompt_tokens_local_hit + prompt.local_cache_hit,
+            prompt_tokens_transferred=old.prompt_tokens_transferred + prompt.external_kv_transfer,
+        )
+
+
+def _connector_counts(stats: Any) -> dict[str, float]:
+    """Totals of one step's NixlConnector stats (lists of per-transfer values, keyed by name)."""
+    data = getattr(stats, "data", stats) or {}
+    failures = sum(len(data.get(key, ())) for key in (
+        "num_failed_transfers", "num_failed_handshakes", "num_failed_notifications"))
+    return {"transfers": len(data.get("transfer_duration", ())),
+            "bytes": int(sum(data.get("bytes_transferred", ()))),
+            "seconds": float(sum(data.get("transfer_duration", ()))), "failures": failures}
 
 
 def _error_body(message: str, status: int, param: str | None = None) -> bytes:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
-import pytest
+# Before anything imports Ray: this process joins a loopback-only cluster (see orchestrator.cluster).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
 
 LEFTOVER_PATTERN = "raylet|gcs_server|VLLM::|EngineCore"
 

@@ -46,29 +46,48 @@ def _run(command: list[str], timeout: float) -> str:
 
 
 @pytest.fixture(scope="session")
-def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    request.config._tokenfab_cluster_used = True
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Greedy outputs of a bare vLLM engine with the suite's model and engine settings."""
     topology = load_topology(TOPOLOGY)
     _run([TOKENFAB, "model", "tiny", "--out", topology.model.resolved_path, "--if-missing"], 120)
-    reference_file = tmp_path_factory.mktemp("reference") / "reference.json"
-    _run([sys.executable, "-m", "tests.integration.reference", str(TOPOLOGY), str(reference_file)],
-         600)
+    out = tmp_path_factory.mktemp("reference") / "reference.json"
+    _run([sys.executable, "-m", "tests.integration.reference", str(TOPOLOGY), str(out)], 600)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(request: pytest.FixtureRequest, reference: dict[str, Any]):
+    """A local Ray head for the whole session (started after the reference engine is gone)."""
+    request.config._tokenfab_cluster_used = True
+    topology = load_topology(TOPOLOGY)
     try:
         cluster.start_head(topology.cluster)
-        job_log = _run([
-            str(Path(sys.executable).with_name("ray")), "job", "submit",
-            "--address", topology.cluster.dashboard_url, "--working-dir", str(ROOT), "--",
-            sys.executable, "-m", "orchestrator", "up", str(TOPOLOGY.relative_to(ROOT)),
-            "--timeout", "600",
-        ], 900)
-        yield Deployment(topology, f"{gateway_url(topology)}/v1",
-                         json.loads(reference_file.read_text()), job_log)
+        yield topology.cluster
     finally:
         subprocess.run([TOKENFAB, "down", "--dashboard", topology.cluster.dashboard_url,
                         "--stop-ray"], capture_output=True, timeout=300)
 
 
-@pytest.fixture(scope="session")
+def remove_app(name: str, dashboard_url: str) -> None:
+    subprocess.run([TOKENFAB, "down", "--app", name, "--dashboard", dashboard_url],
+                   capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, reference: dict[str, Any]):
+    """The two-replica unified deployment, made with `ray job submit` as an operator would."""
+    topology = load_topology(TOPOLOGY)
+    job_log = _run([
+        str(Path(sys.executable).with_name("ray")), "job", "submit",
+        "--address", topology.cluster.dashboard_url, "--working-dir", str(ROOT), "--",
+        sys.executable, "-m", "orchestrator", "up", str(TOPOLOGY.relative_to(ROOT)),
+        "--timeout", "600",
+    ], 900)
+    yield Deployment(topology, f"{gateway_url(topology)}/v1", reference, job_log)
+    remove_app(topology.name, topology.cluster.dashboard_url)
+
+
+@pytest.fixture(scope="module")
 def http(deployment: Deployment):
     with httpx.Client(base_url=deployment.base_url, timeout=120, trust_env=False) as client:
         yield client

@@ -1,0 +1,206 @@
+"""Prefill/decode disaggregation with real engines and real NIXL transfers (UCX over loopback).
+
+Outputs are compared with the same bare-engine reference as the unified tests. Module order
+matters: the test that kills the prefill replica runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import ray
+from ray import serve
+
+from kvtransfer.params import decode_body, prefill_body
+from orchestrator.config import Topology, load_topology
+from orchestrator.status import gateway_url
+from tests.integration.cases import CHATS, PROMPTS
+from tests.integration.conftest import ROOT, TOKENFAB, remove_app
+
+TOPOLOGY = ROOT / "tests/integration/topology-pd.yaml"
+MODEL = "tiny"
+MIN_PROMPT_TOKENS = 64  # disaggregation.min_prompt_tokens in topology-pd.yaml
+
+
+class PD:
+    def __init__(self, topology: Topology, reference: dict[str, Any]) -> None:
+        self.topology, self.reference = topology, reference
+        self.root = gateway_url(topology)
+        self.http = httpx.Client(base_url=f"{self.root}/v1", timeout=120, trust_env=False)
+
+    def replicas(self) -> dict[str, dict[str, Any]]:
+        reports = httpx.get(f"{self.root}/tokenfab/replicas", trust_env=False).json()
+        return {report["pool"]: report for report in reports}
+
+    def load(self, pool: str) -> dict[str, Any]:
+        time.sleep(2.2)  # replicas report every second
+        return self.replicas()[pool]["load"]
+
+    def counters(self) -> dict[str, int]:
+        return httpx.get(f"{self.root}/tokenfab/pd", trust_env=False).json()
+
+
+@pytest.fixture(scope="module")
+def pd(ray_cluster, reference: dict[str, Any]):
+    topology = load_topology(TOPOLOGY)
+    result = subprocess.run([TOKENFAB, "up", str(TOPOLOGY), "--timeout", "600"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    yield PD(topology, reference)
+    remove_app(topology.name, topology.cluster.dashboard_url)
+
+
+@pytest.fixture(scope="module")
+def handles(pd: PD):
+    """Serve handles to the pools, for driving the two legs by hand."""
+    ray.init(address=pd.topology.cluster.address, log_to_driver=False, logging_level="ERROR")
+    yield {pool: serve.get_deployment_handle(f"pool-{pool}", pd.topology.name)
+           for pool in ("prefill", "decode")}
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)), ids=[p.id for p in PROMPTS])
+def test_completion_through_pd_equals_bare_engine(pd: PD, index: int) -> None:
+    case, expected = PROMPTS[index], pd.reference["prompts"][index]
+    before = pd.load("decode")
+    response = pd.http.post("/completions", json={
+        "model": MODEL, "prompt": case.prompt, "max_tokens": case.max_tokens, "temperature": 0,
+        "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["token_ids"] == expected["token_ids"]
+    after = pd.load("decode")
+    prompt_tokens = len(expected["prompt_token_ids"])
+    transferred = after["prompt_tokens_transferred"] - before["prompt_tokens_transferred"]
+    computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+    if prompt_tokens >= MIN_PROMPT_TOKENS:  # the KV arrived over NIXL: decode computed nothing
+        assert (transferred, computed) == (prompt_tokens, 0)
+        assert after["kv_transfers"] > before["kv_transfers"]
+    else:  # short prompts skip the prefill pool
+        assert (transferred, computed) == (0, prompt_tokens)
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)), ids=[p.id for p in PROMPTS])
+def test_streamed_completion_through_pd_equals_bare_engine(pd: PD, index: int) -> None:
+    case, expected = PROMPTS[index], pd.reference["prompts"][index]
+    body = {"model": MODEL, "prompt": case.prompt, "max_tokens": case.max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    with pd.http.stream("POST", "/completions", json=body) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == expected["text"]
+    assert events[-1]["usage"]["completion_tokens"] == case.max_tokens
+
+
+@pytest.mark.parametrize("index", range(len(CHATS)), ids=[c.id for c in CHATS])
+def test_chat_through_pd_equals_bare_engine(pd: PD, index: int) -> None:
+    case, expected = CHATS[index], pd.reference["chats"][index]
+    response = pd.http.post("/chat/completions", json={
+        "model": MODEL, "messages": case.messages, "max_tokens": case.max_tokens,
+        "temperature": 0, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == expected["token_ids"]
+
+
+def test_pd_counters_and_status(pd: PD) -> None:
+    counters = pd.counters()
+    assert counters["requests_disaggregated"] >= 6 and counters["skipped_short_prompt"] >= 2
+    assert counters.get("fallbacks", 0) == 0
+    result = subprocess.run([TOKENFAB, "status", "--json", "--app", pd.topology.name,
+                             "--dashboard", pd.topology.cluster.dashboard_url],
+                            capture_output=True, text=True, timeout=60)
+    rows = json.loads(result.stdout[result.stdout.index("["):])
+    assert {row["role"] for row in rows} == {"prefill", "decode"}
+    decode = next(row for row in rows if row["role"] == "decode")
+    assert decode["kv_transfers"] >= 6 and decode["kv_transfer_bytes"] > 0
+
+
+def test_bad_request_is_answered_once_not_retried(pd: PD) -> None:
+    response = pd.http.post("/completions", json={"model": MODEL, "prompt": "word " * 100,
+                                                  "temperature": "hot"})
+    assert response.status_code == 400 and "temperature" in response.json()["error"]["message"]
+
+
+def test_client_disconnect_frees_both_engines(pd: PD) -> None:
+    body = {"model": MODEL, "prompt": "disconnect " + "green north " * 80, "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    with pd.http.stream("POST", "/completions", json=body) as response:
+        chunks = response.iter_lines()
+        for _ in range(10):
+            next(chunks)
+        time.sleep(1.5)  # one report interval
+        assert pd.replicas()["decode"]["load"]["in_flight"] == 1
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        loads = [report["load"] for report in pd.replicas().values()]
+        if all(l["running"] == l["waiting"] == l["in_flight"] == 0 for l in loads):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"engines still busy after the client left: {loads}")
+
+
+def _leg(handle, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    head, payload = list(handle.options(stream=True).reply.remote("completions", body))
+    return head.status, json.loads(payload)
+
+
+def _prefilled(handles, body: dict[str, Any]) -> dict[str, Any]:
+    status, reply = _leg(handles["prefill"], prefill_body(body))
+    assert status == 200
+    return reply["kv_transfer_params"]
+
+
+def test_unreachable_side_channel_recomputes(pd: PD, handles) -> None:
+    case, expected = PROMPTS[2], pd.reference["prompts"][2]
+    body = {"model": MODEL, "prompt": case.prompt, "max_tokens": case.max_tokens,
+            "temperature": 0, "return_token_ids": True}
+    params = _prefilled(handles, body) | {"remote_port": _closed_port(), "remote_engine_id": "gone"}
+    before = pd.load("decode")
+    status, reply = _leg(handles["decode"], decode_body(body, params))
+    assert status == 200 and reply["choices"][0]["token_ids"] == expected["token_ids"]
+    after = pd.load("decode")
+    assert after["kv_transfer_failures"] > before["kv_transfer_failures"]
+    assert after["prompt_tokens_transferred"] == before["prompt_tokens_transferred"]
+
+
+def test_prefill_replica_killed_between_prefill_and_decode(pd: PD, handles) -> None:
+    case, expected = PROMPTS[1], pd.reference["prompts"][1]
+    body = {"model": MODEL, "prompt": case.prompt, "max_tokens": case.max_tokens,
+            "temperature": 0, "return_token_ids": True}
+    params = _prefilled(handles, body)
+    _kill_tree(pd.replicas()["prefill"]["pid"])
+    status, reply = _leg(handles["decode"], decode_body(body, params))
+    assert status == 200 and reply["choices"][0]["token_ids"] == expected["token_ids"]
+    # With the prefill pool gone, the gateway falls back to decode-only and says so.
+    fallbacks = pd.counters().get("fallbacks", 0)
+    response = pd.http.post("/completions", json=body)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["token_ids"] == expected["token_ids"]
+    assert pd.counters()["fallbacks"] == fallbacks + 1
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a replica process and its engine processes, as a crash would."""
+    process = psutil.Process(pid)
+    for member in [*process.children(recursive=True), process]:
+        try:
+            os.kill(member.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
