@@ -112,9 +112,12 @@ def transfers(base_root: str) -> list[dict[str, Any]]:
     """KV transfer throughput for several prompt sizes (from the decode engine's own NIXL stats)
     against numpy copying the same number of bytes."""
     records = []
-    for words in (60, 250, 500, 760):
+    vocab = ["stone", "river", "light", "paper", "green", "north", "cloud", "silver", "table"]
+    for index, words in enumerate((60, 250, 500, 760)):
         before = _decode_load(base_root)
-        prompt = "transfer " + " ".join(["stone river light"] * (words // 3))
+        # A fresh first word each time: no prefix of an earlier prompt is cached on either side.
+        prompt = " ".join(vocab[(i * (index + 2) + index) % len(vocab)] for i in range(words))
+        prompt = f"{vocab[index]}{index} transfer {prompt}"
         httpx.post(f"{base_root}/v1/completions", trust_env=False, timeout=120,
                    json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
         after = _decode_load(base_root)

@@ -18,6 +18,7 @@ import ray
 from ray import serve
 
 from kvtransfer import nixl_tuning
+from orchestrator.errors import EngineError
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import Endpoint, EngineSpec, ReplyHead
@@ -53,6 +54,15 @@ def _ensure_generated_model(spec: EngineSpec) -> None:
     from pools.tiny_model import ensure_tiny_model
 
     ensure_tiny_model(Path(spec.model_path), moe=spec.generate == "tiny-moe")
+
+
+async def _check_listening(channel: SideChannel, timeout_s: float = 5.0) -> None:
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(channel.host, channel.port), timeout_s)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise EngineError(f"NIXL side channel {channel.host}:{channel.port} unreachable: {exc}") from exc
+    writer.close()
 
 
 class PoolReplica:
@@ -111,6 +121,8 @@ class PoolReplica:
             return spec
         self._side_channel = reserve_side_channel(self._node_ip)
         os.environ.update(self._side_channel.env())
+        if self._node_ip.startswith("127."):  # UCX would listen on every interface otherwise
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
         if self._settings.nixl_progress_delay_us:
             os.environ[nixl_tuning.ENV] = str(self._settings.nixl_progress_delay_us)
         return msgspec.structs.replace(spec, kv_transfer_config=config)
@@ -131,9 +143,16 @@ class PoolReplica:
             self._in_flight -= 1
 
     async def check_health(self) -> None:
-        """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
-        if self._state == "ready":
-            await self._engine.check_health()
+        """Serve calls this periodically; raising marks the replica unhealthy and replaces it.
+
+        Replicas that take part in KV transfer must also answer on their NIXL side channel, or
+        peers could not fetch their agent metadata.
+        """
+        if self._state != "ready":
+            return
+        await self._engine.check_health()
+        if self._side_channel is not None:
+            await _check_listening(self._side_channel)
 
     def record_routing_stats(self) -> dict[str, float]:
         """Polled by Serve and exposed to request routers as `RunningReplica.routing_stats`."""

@@ -162,7 +162,7 @@ def test_load_names_the_file_in_field_errors(tmp_path: Path) -> None:
         f"{path}: pools.0.replicas: Input should be greater than or equal to 1"]
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "gpu-llama3-8b.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in TOPOLOGIES.glob("*.yaml")))
 def test_shipped_topologies_validate(name: str) -> None:
     assert isinstance(load_topology(TOPOLOGIES / name), Topology)
 
