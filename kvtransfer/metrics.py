@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 Path = Literal["disaggregated", "decode_only"]
 FallbackReason = Literal["prefill_failed", "prefill_timeout", "prefill_error", "no_kv_params"]
-SkipReason = Literal["short_prompt", "multiple_choices", "unknown_prompt"]
+SkipReason = Literal["short_prompt", "cached_on_decode", "multiple_choices", "unknown_prompt"]
 
 
 class TransferMetrics:

@@ -162,7 +162,11 @@ class DisaggregationSpec(_Strict):
     """How requests flow through prefill and decode pools (ignored by unified topologies)."""
 
     min_prompt_tokens: int = Field(
-        256, ge=0, description="Shorter prompts skip the prefill pool: decode computes them itself."
+        256, ge=0, description="Requests that leave decode fewer tokens than this to compute (short "
+        "prompts, or prompts whose prefix decode was recently sent) skip the prefill pool.",
+    )
+    decode_cache_ttl_s: float = Field(
+        300.0, gt=0, description="How long a prefix sent to decode counts as cached there.",
     )
     prefill_timeout_s: float = Field(
         30.0, gt=0, description="Deadline of the prefill leg; past it decode recomputes the prompt."

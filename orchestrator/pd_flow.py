@@ -23,6 +23,7 @@ from kvtransfer.params import decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
 from pools.engine import Endpoint, ReplyHead
 from pools.tokenizer import PromptTokenCounter
+from router.recent_prefixes import RecentPrefixes
 
 _LEG_ERRORS = (ray.exceptions.RayError, RayServeException, StopAsyncIteration)
 
@@ -35,11 +36,13 @@ class PDFlow:
                  metrics: TransferMetrics) -> None:
         self._prefill, self._decode = itertools.cycle(prefill), itertools.cycle(decode)
         self._spec, self._counter, self.metrics = spec, counter, metrics
+        self._on_decode = RecentPrefixes(ttl_s=spec.decode_cache_ttl_s)
 
     async def reply(self, endpoint: Endpoint, body: dict[str, Any]) -> AsyncIterator[ReplyHead | bytes]:
         """Same stream shape as a pool replica's reply (see pools.engine.ReplyHead)."""
         params = None
-        if await self._worth_disaggregating(endpoint, body):
+        tokens = await self._tokens(endpoint, body)
+        if self._worth_disaggregating(tokens):
             outcome = await self._prefill_leg(endpoint, body)
             if isinstance(outcome, list):  # the request itself is invalid: answer as decode would
                 for item in outcome:
@@ -47,6 +50,8 @@ class PDFlow:
                 return
             params = outcome
         self.metrics.path("disaggregated" if params else "decode_only")
+        if tokens:
+            self._on_decode.record(tokens)  # decode will hold these blocks, pulled or computed
         decode = next(self._decode).options(stream=True).reply.remote(endpoint, decode_body(body, params))
         try:
             async for item in decode:
@@ -54,16 +59,28 @@ class PDFlow:
         finally:
             decode.cancel()  # client gone: abort on the decode engine too
 
-    async def _worth_disaggregating(self, endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    async def _tokens(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int] | None:
         if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
             self.metrics.skipped("multiple_choices")
-            return False
-        tokens = await asyncio.to_thread(self._counter.count, endpoint, body)
+            return None
+        tokens = await asyncio.to_thread(self._counter.tokens, endpoint, body)
         if tokens is None:
             self.metrics.skipped("unknown_prompt")
+        return tokens
+
+    def _worth_disaggregating(self, tokens: list[int] | None) -> bool:
+        """Only when decode would otherwise compute at least `min_prompt_tokens` itself.
+
+        Example (min 256): a 2,000-token prompt whose first 1,920 tokens decode was recently sent
+        leaves 80 to compute: decode does that faster than a prefill leg plus a transfer.
+        """
+        if tokens is None:
             return False
-        if tokens < self._spec.min_prompt_tokens:
+        if len(tokens) < self._spec.min_prompt_tokens:
             self.metrics.skipped("short_prompt")
+            return False
+        if len(tokens) - self._on_decode.cached_tokens(tokens) < self._spec.min_prompt_tokens:
+            self.metrics.skipped("cached_on_decode")
             return False
         return True
 

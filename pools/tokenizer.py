@@ -9,25 +9,25 @@ from typing import Any
 
 
 class PromptTokenCounter:
-    """Loads the model's tokenizer once; `count` is CPU work: call it off the event loop."""
+    """Loads the model's tokenizer once; `tokens` is CPU work: call it off the event loop."""
 
     def __init__(self, model_path: str) -> None:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def count(self, endpoint: str, body: dict[str, Any]) -> int | None:
-        """Prompt tokens of an OpenAI request body; None when the body has no prompt we can read."""
+    def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """Prompt token ids of an OpenAI request body; None when it has no prompt we can read."""
         if endpoint == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list):
                 return None
             ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       tokenize=True)
-            return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return len(self._tokenizer(prompt).input_ids)
+            return self._tokenizer(prompt).input_ids
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
+            return prompt
         return None

@@ -36,6 +36,9 @@ PROMPTS = [
     Prompt("near-limit", "At the very edge " + _words("near-limit", 800), 8),
 ]
 
+# Sent once, by the test that kills the prefill replica: decode has never seen it.
+FALLBACK = Prompt("fallback", "When the prefill replica is gone " + _words("fallback", 80), 16)
+
 CHATS = [
     Chat("single-turn", [{"role": "user", "content": "What is the capital of France?"}], 24),
     Chat("with-system", [

@@ -24,7 +24,7 @@ def main(topology_path: str, out: str) -> None:
     from vllm import LLM, SamplingParams
 
     from orchestrator.config import load_topology
-    from tests.integration.cases import CHATS, PROMPTS
+    from tests.integration.cases import CHATS, FALLBACK, PROMPTS
 
     topology = load_topology(topology_path)
     pool = topology.pools[0]
@@ -45,6 +45,8 @@ def main(topology_path: str, out: str) -> None:
                     for c in PROMPTS],
         "chats": [_record(llm.chat([c.messages], greedy(c.max_tokens), use_tqdm=False))
                   for c in CHATS],
+        "fallback": _record(llm.generate([FALLBACK.prompt], greedy(FALLBACK.max_tokens),
+                                         use_tqdm=False)),
     }
     with open(out, "w") as f:
         json.dump(results, f)

@@ -66,11 +66,15 @@ class Handle:
 
 
 class Counter:
-    def __init__(self, tokens: int | None) -> None:
-        self.tokens = tokens
+    """Every prompt has `length` tokens; the ids depend on the prompt text."""
 
-    def count(self, endpoint: str, body: dict[str, Any]) -> int | None:
-        return self.tokens
+    def __init__(self, length: int | None) -> None:
+        self.length = length
+
+    def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        if self.length is None:
+            return None
+        return [hash(body.get("prompt")) % 1000 + i for i in range(self.length)]
 
 
 def ok(payload: dict[str, Any]) -> list[Any]:
@@ -135,6 +139,17 @@ def test_failed_prefill_falls_back_to_decode_recompute(stream: Stream, reason: s
     assert decode.bodies == [BODY]  # no kv_transfer_params: decode computes the prompt
     assert stream.cancelled
     assert dict(flow.metrics.tally) == {reason: 1, "fallbacks": 1, "requests_decode_only": 1}
+
+
+def test_prompt_recently_sent_to_decode_skips_the_prefill_pool() -> None:
+    prefill = Handle(*(Stream(ok({"kv_transfer_params": PARAMS})) for _ in range(2)))
+    decode = Handle(Stream(DECODED), Stream(DECODED), Stream(DECODED))
+    flow = make(prefill, decode)
+    for prompt in ("x", "x", "y"):
+        run(flow, BODY | {"prompt": prompt})
+    assert [b["prompt"] for b in prefill.bodies] == ["x", "y"]
+    assert dict(flow.metrics.tally) == {
+        "requests_disaggregated": 2, "skipped_cached_on_decode": 1, "requests_decode_only": 1}
 
 
 def test_invalid_request_is_answered_by_prefill_error_not_sent_twice() -> None:
