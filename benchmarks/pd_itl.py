@@ -190,7 +190,9 @@ def markdown(records: list[dict], transfer: list[dict], seconds: float) -> str:
              f"{INTERACTIVE_STREAMS} streaming clients ({INTERACTIVE_TOKENS} tokens each turn) plus a "
              f"~1,750-token prompt every {LONG_EVERY_S:g} s. Reproduce: `.venv/bin/python benchmarks/pd_itl.py`.",
              "ITL: each request's mean gap between tokens after the first (client side), p50/p99 over "
-             "requests; stall: each request's longest single gap.",
+             "requests; stall: each request's longest single gap. On two busy cores the HTTP relay "
+             "often hands a short answer to the client in one burst, hence ITL p50 near zero in both "
+             "setups; the p99s and stalls are where long prefills show.",
              "", "| setup | ITL p50 (ms) | ITL p99 (ms) | stall p50 (ms) | stall p99 (ms) | "
              "TTFT p50 (ms) | TTFT p90 (ms) | output tok/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -202,6 +204,9 @@ def markdown(records: list[dict], transfer: list[dict], seconds: float) -> str:
     lines += ["", f"ITL p99 pd/unified = {by['pd']['itl_p99_s'] / by['unified']['itl_p99_s']:.2f}; "
               f"throughput pd/unified = {by['pd']['output_tok_s'] / by['unified']['output_tok_s']:.2f}.",
               "", "![ITL over time](pd_itl.png)", "", "## KV transfer throughput (NIXL, UCX over loopback)",
+              "", "Bytes and seconds as the decode engine's NixlConnector reports them for one pull "
+              "(prompts of ~300 to ~1,900 tokens; shorter ones skip the transfer); memcpy: numpy "
+              "copying the same number of bytes, best of 20 (cache-resident at these sizes).",
               "", "| bytes | NIXL GB/s | memcpy GB/s | ratio |", "| --- | --- | --- | --- |"]
     for t in transfer:
         lines.append(f"| {t['bytes']} | {t['nixl_gbps']:.2f} | {t['memcpy_gbps']:.2f} | "
