@@ -145,13 +145,19 @@ def _serve_until_interrupted(topology: Topology, stop_ray: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(app: str | None, dashboard: str, as_json: bool) -> None:
     """Pools, replicas, health and load."""
-    from orchestrator.status import collect, render
+    from orchestrator.status import collect, pd_counters, render
 
     try:
         rows = collect(dashboard, app)
+        counters = pd_counters(dashboard, app)
     except TokenfabError as exc:
         _fail(exc)
-    click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(render(rows))
+    if counters:
+        click.echo("prefill/decode: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
 
 
 @main.command()

@@ -47,6 +47,17 @@ def _reports(topology: Topology) -> dict[str, dict[str, Any]]:
     return {report["replica_id"]: report for report in response.json()}
 
 
+def pd_counters(dashboard_url: str, app: str | None) -> dict[str, int]:
+    """The gateway's prefill/decode counters (paths, skips, fallbacks); empty when unified."""
+    topology = deployed_topology(ServeClient(dashboard_url), app)
+    try:
+        response = httpx.get(f"{gateway_url(topology)}/tokenfab/pd", timeout=10, trust_env=False)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    return response.json()
+
+
 def collect(dashboard_url: str, app: str | None) -> list[dict[str, Any]]:
     """One row per pool replica."""
     client = ServeClient(dashboard_url)

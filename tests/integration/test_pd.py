@@ -124,6 +124,10 @@ def test_pd_counters_and_status(pd: PD) -> None:
     assert {row["role"] for row in rows} == {"prefill", "decode"}
     decode = next(row for row in rows if row["role"] == "decode")
     assert decode["kv_transfers"] >= 3 and decode["kv_transfer_bytes"] > 0
+    table = subprocess.run([TOKENFAB, "status", "--app", pd.topology.name, "--dashboard",
+                            pd.topology.cluster.dashboard_url], capture_output=True, text=True,
+                           timeout=60).stdout
+    assert f"requests_disaggregated={counters['requests_disaggregated']}" in table
 
 
 def test_bad_request_is_answered_once_not_retried(pd: PD) -> None:
