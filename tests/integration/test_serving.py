@@ -193,44 +193,58 @@ def test_replicas_report_engine_load(deployment: Deployment, http: httpx.Client)
     assert 0.0 <= load["kv_cache_usage"] <= 1.0
 
 
-def test_kv_events_published_on_the_replica_endpoint(deployment: Deployment, http: httpx.Client) -> None:
-    import msgspec
+def test_kv_events_match_router_block_hashes(deployment: Deployment, http: httpx.Client) -> None:
+    """Each replica publishes BlockStored events on its endpoint, and the router's hashing of the
+    prompt (vLLM's own functions, through pools.block_hasher) gives exactly the published hashes,
+    with and without a cache salt."""
     import zmq
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from pools.block_hasher import VllmBlockHasher
 
     rows = _json_tail(deployment.tokenfab("status", "--json").stdout)
     context = zmq.Context()
-    sockets = []
+    sockets = {}
     for row in rows:
         socket = context.socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.connect(row["kv_events_endpoint"])
-        sockets.append(socket)
+        sockets[row["replica"]] = socket
     time.sleep(0.5)  # let the subscriptions reach the publishers
-    prompt = "kv events " + "stone river " * 200
-    response = http.post("/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
-    assert response.status_code == 200
-    served = response.headers["x-tokenfab-replica"]
-    stored = _stored_blocks(sockets[[r["replica"] for r in rows].index(served)],
-                            msgspec.msgpack.Decoder(type=KVEventBatch), BlockStored)
-    context.destroy(linger=0)
-    assert stored >= response.json()["usage"]["prompt_tokens"] // 128
+    try:
+        for salt in (None, "tenant-a"):
+            body = {"model": MODEL, "prompt": "kv events " + "stone river " * 200, "max_tokens": 2,
+                    "return_token_ids": True} | ({"cache_salt": salt} if salt else {})
+            response = http.post("/completions", json=body)
+            assert response.status_code == 200, response.text
+            prompt_ids = response.json()["choices"][0]["prompt_token_ids"]
+            socket = sockets[response.headers["x-tokenfab-replica"]]
+            block_size, published = _stored_hashes(socket, minimum=len(prompt_ids) // 128)
+            expected = VllmBlockHasher(block_size).block_hashes(prompt_ids, cache_salt=salt)
+            assert len(expected) >= 3
+            assert published[:len(expected)] == expected
+    finally:
+        context.destroy(linger=0)
 
 
 def _json_tail(output: str) -> list[dict]:
     return json.loads(output[output.index("["):])
 
 
-def _stored_blocks(socket, decoder, stored_type, timeout_s: float = 20.0) -> int:
+def _stored_hashes(socket, minimum: int, timeout_s: float = 20.0) -> tuple[int, list]:
+    """Block hashes of BlockStored events, in publication order, until `minimum` have come."""
     import zmq
 
-    deadline, stored = time.monotonic() + timeout_s, 0
-    while time.monotonic() < deadline and stored == 0:
+    from router.events import BlockStored, decode_batch
+
+    deadline, hashes, block_size = time.monotonic() + timeout_s, [], 0
+    while time.monotonic() < deadline and len(hashes) < minimum:
         if socket.poll(500, zmq.POLLIN):
             _topic, _seq, payload = socket.recv_multipart()
-            batch = decoder.decode(payload)
-            stored += sum(len(e.block_hashes) for e in batch.events if isinstance(e, stored_type))
-    return stored
+            for event in decode_batch(payload).events:
+                if isinstance(event, BlockStored):
+                    hashes += event.block_hashes
+                    block_size = event.block_size
+    return block_size, hashes
 
 
 def test_scale_down_drains_in_flight_requests(deployment: Deployment) -> None:
