@@ -1,0 +1,109 @@
+"""Follows one replica's KV event stream into the block map, in order, across gaps.
+
+Batches carry the publisher's sequence numbers. A batch that skips ahead (the router joined late,
+or the subscription dropped messages) is a gap: the missing batches are fetched from the replica's
+replay endpoint and applied first. When they cannot be fetched, the replica's entries are cleared:
+the map may then under-report what is cached there, never over-report it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import zmq
+
+from router.events import decode_batch, decode_seq
+from router.index import KVBlockIndex, ReplicaId
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass
+class StreamStats:
+    batches: int = 0
+    gaps_recovered: int = 0
+    gaps_cleared: int = 0
+    duplicates: int = 0
+
+
+class ReplicaEventStream:
+    """Owned by the thread that owns the index; `poll` is its only entry point."""
+
+    def __init__(self, replica: ReplicaId, endpoint: str, replay_endpoint: str | None,
+                 index: KVBlockIndex, context: zmq.Context, replay_timeout_s: float = 2.0) -> None:
+        self.replica, self.endpoint, self.replay_endpoint = replica, endpoint, replay_endpoint
+        self.stats = StreamStats()
+        self._index, self._context, self._replay_timeout_ms = index, context, int(1000 * replay_timeout_s)
+        self._next_seq = 0
+        self._socket = self._subscribe()
+
+    def _subscribe(self) -> zmq.Socket:
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.endpoint)
+        return socket
+
+    def resubscribe(self) -> None:
+        """Drop the subscription and open a new one (the next batch tells what was missed)."""
+        self._socket.close()
+        self._socket = self._subscribe()
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Apply every batch that arrives within `timeout_ms`; returns how many were applied."""
+        applied = 0
+        while self._socket.poll(timeout_ms if applied == 0 else 0, zmq.POLLIN):
+            _topic, seq_frame, payload = self._socket.recv_multipart()
+            applied += self._receive(decode_seq(seq_frame), payload)
+        return applied
+
+    def _receive(self, seq: int, payload: bytes) -> int:
+        if seq < self._next_seq:
+            self.stats.duplicates += 1
+            return 0
+        applied = 0
+        if seq > self._next_seq:
+            applied = self._recover(self._next_seq, seq)
+        self._apply(seq, payload)
+        return applied + 1
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._index.apply(self.replica, decode_batch(payload))
+        self._next_seq = seq + 1
+        self.stats.batches += 1
+
+    def _recover(self, start: int, stop: int) -> int:
+        """Apply batches [start, stop) from the replay endpoint, or clear the replica."""
+        replayed = self._replay(start, stop)
+        if replayed is None or (replayed and replayed[0][0] != start) or (
+                not replayed and start < stop):
+            self._index.clear(self.replica)
+            self.stats.gaps_cleared += 1
+            return 0
+        for seq, payload in replayed:
+            self._apply(seq, payload)
+        self.stats.gaps_recovered += 1
+        return len(replayed)
+
+    def _replay(self, start: int, stop: int) -> list[tuple[int, bytes]] | None:
+        if self.replay_endpoint is None:
+            return None
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(self.replay_endpoint)
+            socket.send_multipart((b"", start.to_bytes(8, "big")))
+            batches = []
+            while socket.poll(self._replay_timeout_ms, zmq.POLLIN):
+                _empty, _topic, seq_frame, payload = socket.recv_multipart()
+                if seq_frame == END_SEQ:
+                    return batches
+                seq = decode_seq(seq_frame)
+                if start <= seq < stop:
+                    batches.append((seq, payload))
+            return None  # no end marker in time: the replica is gone or slow
+        finally:
+            socket.close()
