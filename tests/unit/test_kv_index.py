@@ -4,7 +4,6 @@ test against a brute-force model under random event sequences."""
 from __future__ import annotations
 
 import msgspec
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
