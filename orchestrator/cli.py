@@ -145,11 +145,10 @@ def _serve_until_interrupted(topology: Topology, stop_ray: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(app: str | None, dashboard: str, as_json: bool) -> None:
     """Pools, replicas, health and load."""
-    from orchestrator.status import collect, pd_counters, render
+    from orchestrator.status import collect, render
 
     try:
-        rows = collect(dashboard, app)
-        counters = pd_counters(dashboard, app)
+        rows, counters = collect(dashboard, app)
     except TokenfabError as exc:
         _fail(exc)
     if as_json:

@@ -25,15 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtransfer.metrics import TransferMetrics
 from orchestrator.config import Topology
 from orchestrator.pd_flow import PDFlow
-from pools.engine import Endpoint, ReplyHead
+from pools.engine import Endpoint, ReplyHead, openai_error
 from pools.registry import get_registry
 from pools.tokenizer import PromptTokenCounter
 
 logger = logging.getLogger("tokenfab.access")
-
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-                413: "RequestTooLarge", 503: "ServiceUnavailableError", 504: "GatewayTimeout"}
-
 
 class GatewayError(Exception):
     """A request the gateway answers itself, with an OpenAI error body."""
@@ -54,15 +50,12 @@ class _EndOfReply(GatewayError):
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = _ERROR_TYPES.get(status, "InternalServerError")
-    code = "model_not_found" if status == 404 and param == "model" else status
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    code = "model_not_found" if status == 404 and param == "model" else None
+    return JSONResponse(openai_error(status, message, param, code), status_code=status)
 
 
 def _sse_error(message: str) -> bytes:
-    error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
-    return b"data: " + msgspec.json.encode({"error": error}) + b"\n\n"
+    return b"data: " + msgspec.json.encode(openai_error(503, message)) + b"\n\n"
 
 
 async def _close(replies: Any) -> None:

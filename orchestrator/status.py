@@ -37,39 +37,28 @@ def gateway_url(topology: Topology) -> str:
     return f"http://{host}:{gateway.port}{gateway.route_prefix.rstrip('/')}"
 
 
-def _reports(topology: Topology) -> dict[str, dict[str, Any]]:
+def _from_gateway(topology: Topology, path: str) -> Any:
+    """JSON from one of the gateway's /tokenfab routes; None while the gateway is not up."""
     try:
-        response = httpx.get(f"{gateway_url(topology)}/tokenfab/replicas", timeout=10,
-                             trust_env=False)
+        response = httpx.get(f"{gateway_url(topology)}{path}", timeout=10, trust_env=False)
         response.raise_for_status()
     except httpx.HTTPError:
-        return {}  # gateway not up yet: show Serve's view alone
-    return {report["replica_id"]: report for report in response.json()}
-
-
-def pd_counters(dashboard_url: str, app: str | None) -> dict[str, int]:
-    """The gateway's prefill/decode counters (paths, skips, fallbacks); empty when unified."""
-    topology = deployed_topology(ServeClient(dashboard_url), app)
-    try:
-        response = httpx.get(f"{gateway_url(topology)}/tokenfab/pd", timeout=10, trust_env=False)
-        response.raise_for_status()
-    except httpx.HTTPError:
-        return {}
+        return None
     return response.json()
 
 
-def collect(dashboard_url: str, app: str | None) -> list[dict[str, Any]]:
-    """One row per pool replica."""
+def collect(dashboard_url: str, app: str | None) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """One row per pool replica, and the gateway's prefill/decode counters (empty if unified)."""
     client = ServeClient(dashboard_url)
     topology = deployed_topology(client, app)
     details = client.application(topology.name) or {}
-    reports = _reports(topology)
+    reports = {r["replica_id"]: r for r in _from_gateway(topology, "/tokenfab/replicas") or []}
     rows = []
     for pool in topology.pools:
         deployment = (details.get("deployments") or {}).get(f"pool-{pool.name}") or {}
         for replica in deployment.get("replicas") or []:
             rows.append(_row(pool.name, pool.role, replica, reports.get(replica["replica_id"])))
-    return rows
+    return rows, _from_gateway(topology, "/tokenfab/pd") or {}
 
 
 def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] | None) -> dict:

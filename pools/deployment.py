@@ -18,10 +18,10 @@ import ray
 from ray import serve
 
 from kvtransfer import nixl_tuning
-from orchestrator.errors import EngineError
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
+from orchestrator.errors import EngineError
 from pools.cores import CoreClaim, claim_cores
-from pools.engine import Endpoint, EngineSpec, ReplyHead
+from pools.engine import Endpoint, EngineSpec, ReplyHead, openai_error
 from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
 
 logger = logging.getLogger(__name__)
@@ -42,12 +42,6 @@ class ReplicaSettings(msgspec.Struct, frozen=True):
     kv_events: bool
     drain_timeout_s: float = 60.0
     nixl_progress_delay_us: int = 0
-
-
-def _draining_reply() -> list[ReplyHead | bytes]:
-    error = {"message": "replica is draining; retry", "type": "ServiceUnavailableError",
-             "param": None, "code": 503}
-    return [ReplyHead(503, streaming=False), msgspec.json.encode({"error": error})]
 
 
 def _ensure_generated_model(spec: EngineSpec) -> None:
@@ -78,6 +72,7 @@ class PoolReplica:
         self._cores = self._place_engine()
         self._side_channel: SideChannel | None = None
         self._state = "starting"
+        self._engine_start_s = 0.0
         self._in_flight = 0
         if settings.kv_events:
             spec = self._with_kv_events(spec)
@@ -130,8 +125,8 @@ class PoolReplica:
     async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
         """Answer one OpenAI request; see pools.engine.ReplyHead for the stream's shape."""
         if self._state != "ready":
-            for item in _draining_reply():
-                yield item
+            yield ReplyHead(503, streaming=False)
+            yield msgspec.json.encode(openai_error(503, "replica is draining; retry"))
             return
         self._in_flight += 1
         try:
@@ -169,7 +164,7 @@ class PoolReplica:
             kv_events_endpoint=self._spec.kv_events_endpoint, started_s=self._started,
             side_channel=f"{self._side_channel.host}:{self._side_channel.port}"
             if self._side_channel else None,
-            engine_start_s=getattr(self, "_engine_start_s", 0.0),
+            engine_start_s=self._engine_start_s,
         )
 
     async def _report_forever(self) -> None:

@@ -15,7 +15,7 @@ import msgspec
 from pydantic import ValidationError
 
 from orchestrator.errors import EngineDeadError
-from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead
+from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, openai_error
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +124,6 @@ def _connector_counts(stats: Any) -> dict[str, float]:
             "seconds": float(sum(data.get("transfer_duration", ()))), "failures": failures}
 
 
-def _error_body(message: str, status: int, param: str | None = None) -> bytes:
-    kind = "BadRequestError" if status == 400 else "InternalServerError"
-    error = {"message": message, "type": kind, "param": param, "code": status}
-    return msgspec.json.encode({"error": error})
-
-
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """Name each bad field once; a union type's per-branch errors collapse into one line."""
     by_field: dict[str, list[dict]] = {}
@@ -188,7 +182,7 @@ class VllmEngine:
         except ValidationError as exc:
             message, param = _validation_message(exc)
             yield ReplyHead(400, streaming=False)
-            yield _error_body(message, 400, param)
+            yield msgspec.json.encode(openai_error(400, message, param))
             return
         serving = self._serving[endpoint]
         create = serving.create_completion if endpoint == "completions" else serving.create_chat_completion

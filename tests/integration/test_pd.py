@@ -19,6 +19,7 @@ import pytest
 import ray
 from ray import serve
 
+from kvtransfer.nixl import reserve_side_channel
 from kvtransfer.params import decode_body, prefill_body
 from orchestrator.config import Topology, load_topology
 from orchestrator.status import gateway_url
@@ -169,7 +170,8 @@ def test_unreachable_side_channel_recomputes(pd: PD, handles) -> None:
     case, expected = PROMPTS[2], pd.reference["prompts"][2]
     body = {"model": MODEL, "prompt": case.prompt, "max_tokens": case.max_tokens,
             "temperature": 0, "return_token_ids": True}
-    params = _prefilled(handles, body) | {"remote_port": _closed_port(), "remote_engine_id": "gone"}
+    closed = reserve_side_channel("127.0.0.1").port  # free now, so nothing answers there
+    params = _prefilled(handles, body) | {"remote_port": closed, "remote_engine_id": "gone"}
     before = pd.load("decode")
     status, reply = _leg(handles["decode"], decode_body(body, params))
     assert status == 200 and reply["choices"][0]["token_ids"] == expected["token_ids"]
@@ -194,14 +196,6 @@ def test_prefill_replica_killed_between_prefill_and_decode(pd: PD, handles) -> N
     assert response.status_code == 200
     assert response.json()["choices"][0]["token_ids"] == pd.reference["fallback"]["token_ids"]
     assert pd.counters()["fallbacks"] == fallbacks + 1
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _kill_tree(pid: int) -> None:
