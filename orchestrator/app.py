@@ -10,8 +10,10 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
-from orchestrator.config import PoolSpec, Topology, parse_topology
+from orchestrator.config import (PoolSpec, Topology, parse_topology, pool_deployment_name,
+                                  routing_policy)
 from orchestrator.errors import TopologyError
 from orchestrator.gateway import Gateway
 from pools.deployment import PoolReplica, ReplicaSettings
@@ -20,10 +22,6 @@ from pools.engine import EngineSpec
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 120.0
-
-
-def pool_deployment_name(pool: str) -> str:
-    return f"pool-{pool}"
 
 
 def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:
@@ -55,8 +53,19 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
     )
 
 
+def request_router_config(policy: str) -> RequestRouterConfig | None:
+    """Ray Serve's request-router hook for a policy (None: Serve's power of two choices)."""
+    if policy == "least_loaded":
+        return None
+    if policy == "ray_prefix_affinity":
+        return RequestRouterConfig(request_router_class="router.baselines:RayPrefixAffinityRouter")
+    return RequestRouterConfig(request_router_class="router.serve_router:ServiceRequestRouter")
+
+
 def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
     resources = pool.resources
+    routing = request_router_config(routing_policy(topology, pool))
+    extra = {"request_router_config": routing} if routing is not None else {}
     deployment = serve.deployment(PoolReplica).options(
         name=pool_deployment_name(pool.name),
         num_replicas=pool.replicas,
@@ -70,6 +79,7 @@ def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_wait_loop_s=1.0,
         graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
+        **extra,
     )
     return deployment.bind(engine_spec(topology, pool), replica_settings(topology, pool))
 

@@ -133,13 +133,51 @@ class PoolSpec(_Strict):
 
 
 class RouterSpec(_Strict):
-    """How the gateway picks a replica."""
+    """How the gateway picks a replica of a unified or prefill pool (decode pools: least_loaded).
 
-    policy: Literal["least_loaded"] = Field(
-        "least_loaded",
-        description="Routing policy by name. least_loaded: power of two choices on queue length.",
+    Formulas and worked examples: router/README.md.
+    """
+
+    policy: Literal["kv_aware", "prefix_approx", "round_robin", "least_loaded",
+                    "ray_prefix_affinity"] = Field(
+        "kv_aware",
+        description="kv_aware: lowest estimated time to first token from the engines' KV events "
+        "and measured prefill throughput. prefix_approx: prefix affinity from the router's own "
+        "past decisions, balanced by queue length. round_robin: in turn. least_loaded: Ray "
+        "Serve's power of two choices. ray_prefix_affinity: Ray Serve LLM's "
+        "PrefixCacheAffinityRouter (a baseline for benchmarks).",
     )
-    weights: dict[str, float] = Field(default_factory=dict, description="Scorer weights.")
+    weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Scorer weights replacing the policy's defaults (kv_aware: {ttft: 1}; "
+        "prefix_approx: {approx_prefix: 1, queue: 0.5}). Scorers: prefix, approx_prefix, queue, "
+        "kv_usage, ttft.",
+    )
+    max_in_flight: int = Field(
+        64, ge=1, description="A replica with this many requests in flight takes no more "
+        "requests while another replica has room, however much of the prompt it holds.")
+    tie_tolerance: float = Field(
+        0.05, ge=0, lt=1, description="Replicas scoring within this fraction of the best are "
+        "picked at random among themselves.")
+    prefill_tokens_per_s: float = Field(
+        4000.0, gt=0, description="Prefill throughput assumed for a replica until measured.")
+    history_ttl_s: float = Field(
+        300.0, gt=0, description="prefix_approx: how long a dispatched prefix counts as cached.")
+    max_index_entries: int = Field(
+        10_000_000, ge=1000, description="Bound on (block, replica) pairs in the block map; the "
+        "least recently stored blocks are forgotten first.")
+
+    @field_validator("weights")
+    @classmethod
+    def _known_scorers(cls, weights: dict[str, float]) -> dict[str, float]:
+        from router.scorers import SCORERS
+
+        unknown = sorted(set(weights) - set(SCORERS))
+        if unknown:
+            raise ValueError(f"unknown scorer(s) {unknown}; known: {sorted(SCORERS)}")
+        if any(weight < 0 for weight in weights.values()):
+            raise ValueError("scorer weights must be >= 0")
+        return weights
 
 
 class GatewaySpec(_Strict):
@@ -241,8 +279,26 @@ class Topology(_Strict):
             raise ValueError("unified pools and prefill/decode pools go in separate topologies")
         return pools
 
+    @model_validator(mode="after")
+    def _router_inputs(self) -> "Topology":
+        if self.router.policy == "kv_aware" and not self.kv_events.enabled:
+            raise ValueError("router.policy kv_aware reads the engines' KV events: set "
+                             "kv_events.enabled to true or choose prefix_approx")
+        return self
+
     def pool(self, name: str) -> PoolSpec:
         return next(pool for pool in self.pools if pool.name == name)
+
+
+def pool_deployment_name(pool: str) -> str:
+    """The Serve deployment that runs a pool's replicas."""
+    return f"pool-{pool}"
+
+
+def routing_policy(topology: Topology, pool: PoolSpec) -> str:
+    """The policy that places requests on this pool's replicas. Decode replicas are chosen by
+    load: their prompt arrives over KV transfer, so cache affinity buys nothing there."""
+    return "least_loaded" if pool.role == "decode" else topology.router.policy
 
 
 def _check_owned(args: dict[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator.app import pool_deployment_name
-from orchestrator.config import Topology, parse_topology
+from orchestrator.config import Topology, parse_topology, pool_deployment_name
 from orchestrator.errors import ClusterError
 
 IMPORT_PATH = "orchestrator.app:build_app"

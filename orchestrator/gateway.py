@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtransfer.metrics import TransferMetrics
 from orchestrator.config import Topology
 from orchestrator.pd_flow import PDFlow
+from orchestrator.routing import PoolRouters
 from pools.engine import Endpoint, ReplyHead, openai_error
 from pools.registry import get_registry
 from pools.tokenizer import PromptTokenCounter
@@ -82,24 +83,34 @@ class Gateway:
         self._topology = Topology.model_validate(topology)
         self._created = int(time.time())
         self._registry = CollectorRegistry()
+        self._routers = PoolRouters(self._topology, serve.get_replica_context().app_name,
+                                    self._registry)
         self._pd: PDFlow | None = None
         roles = {pool.name: pool.role for pool in self._topology.pools}
-        unified = [handle for name, handle in pools.items() if roles[name] == "unified"]
+        unified = [(name, handle) for name, handle in pools.items() if roles[name] == "unified"]
         self._unified = itertools.cycle(unified) if unified else None
         if not unified:
             self._pd = PDFlow(
-                prefill=[h for name, h in pools.items() if roles[name] == "prefill"],
+                prefill=[(n, h) for n, h in pools.items() if roles[n] == "prefill"],
                 decode=[h for name, h in pools.items() if roles[name] == "decode"],
                 spec=self._topology.disaggregation,
                 counter=PromptTokenCounter(self._topology.model.resolved_path),
                 metrics=TransferMetrics(self._registry),
+                routers=self._routers,
             )
 
-    def _replies(self, endpoint: Endpoint, body: dict[str, Any]) -> Any:
-        """The reply stream of one request: straight from a unified pool, or the P/D flow's."""
+    async def _replies(self, endpoint: Endpoint, body: dict[str, Any]) -> Any:
+        """The reply stream of one request: from a unified pool's replica the router picks, or
+        the P/D flow's."""
         if self._pd is not None:
             return self._pd.reply(endpoint, body)
-        return next(self._unified).options(stream=True).reply.remote(endpoint, body)
+        pool, handle = next(self._unified)
+        key = await self._routers.key(pool, endpoint, body)
+        replies = handle.options(stream=True).reply.remote(endpoint, body, route=key)
+        return self._routers.tracked(pool, key, replies) if key is not None else replies
+
+    def __del__(self) -> None:
+        self._routers.close()
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
@@ -119,6 +130,26 @@ class Gateway:
         """Every pool replica's self-report (state, cores, load), for `tokenfab status`."""
         reports = await get_registry(self._topology.name).snapshot.remote()
         return [msgspec.to_builtins(report) for report in reports]
+
+    @app.get("/tokenfab/router")
+    async def router_status(self) -> dict[str, Any]:
+        """Per routed pool: policy, block map size, and per replica blocks held and stream state."""
+        return self._routers.status()
+
+    @app.post("/tokenfab/route/{endpoint}")
+    async def explain_route(self, endpoint: str, request: Request) -> Response:
+        """How each routed pool would place this completions or chat request now (nothing is
+        sent to an engine): the request's block hashes and every replica's score."""
+        if endpoint not in ("completions", "chat"):
+            return error_response(404, f"unknown endpoint {endpoint!r}: completions or chat")
+        try:
+            body = await self._read_body(request)
+        except GatewayError as exc:
+            return exc.response()
+        explained = {}
+        for pool, service in self._routers.services.items():
+            explained[pool] = service.explain(await self._routers.key(pool, endpoint, body))
+        return JSONResponse(explained)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -170,7 +201,7 @@ class Gateway:
         return body
 
     async def _dispatch(self, endpoint: Endpoint, body: dict[str, Any]) -> Response:
-        replies = self._replies(endpoint, body)
+        replies = await self._replies(endpoint, body)
         head = await self._next(replies)
         if not isinstance(head, ReplyHead):
             await _close(replies)

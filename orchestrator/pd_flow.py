@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import ray
@@ -25,17 +25,21 @@ from pools.engine import Endpoint, ReplyHead
 from pools.tokenizer import PromptTokenCounter
 from router.recent_prefixes import RecentPrefixes
 
+if TYPE_CHECKING:
+    from orchestrator.routing import PoolRouters
+
 _LEG_ERRORS = (ray.exceptions.RayError, RayServeException, StopAsyncIteration)
 
 
 class PDFlow:
     """Runs requests through a prefill pool and a decode pool (one handle per pool)."""
 
-    def __init__(self, prefill: list[DeploymentHandle], decode: list[DeploymentHandle],
+    def __init__(self, prefill: list[tuple[str, DeploymentHandle]], decode: list[DeploymentHandle],
                  spec: DisaggregationSpec, counter: PromptTokenCounter,
-                 metrics: TransferMetrics) -> None:
+                 metrics: TransferMetrics, routers: PoolRouters | None = None) -> None:
         self._prefill, self._decode = itertools.cycle(prefill), itertools.cycle(decode)
         self._spec, self._counter, self.metrics = spec, counter, metrics
+        self._routers = routers
         self._on_decode = RecentPrefixes(ttl_s=spec.decode_cache_ttl_s)
 
     async def reply(self, endpoint: Endpoint, body: dict[str, Any]) -> AsyncIterator[ReplyHead | bytes]:
@@ -43,7 +47,7 @@ class PDFlow:
         params = None
         tokens = await self._tokens(endpoint, body)
         if self._worth_disaggregating(tokens):
-            outcome = await self._prefill_leg(endpoint, body)
+            outcome = await self._prefill_leg(endpoint, body, tokens)
             if isinstance(outcome, list):  # the request itself is invalid: answer as decode would
                 for item in outcome:
                     yield item
@@ -84,10 +88,13 @@ class PDFlow:
             return False
         return True
 
-    async def _prefill_leg(self, endpoint: Endpoint, body: dict[str, Any]) -> Any:
+    async def _prefill_leg(self, endpoint: Endpoint, body: dict[str, Any],
+                           tokens: list[int]) -> Any:
         """KV transfer params, a client-error reply to pass on as is, or None to recompute."""
         started = time.monotonic()
-        leg = next(self._prefill).options(stream=True).reply.remote(endpoint, prefill_body(body))
+        pool, handle = next(self._prefill)
+        key = await self._routers.key(pool, endpoint, body, tokens) if self._routers else None
+        leg = handle.options(stream=True).reply.remote(endpoint, prefill_body(body), route=key)
         try:
             head, payload = await asyncio.wait_for(_two_items(leg), self._spec.prefill_timeout_s)
         except asyncio.TimeoutError:
@@ -98,6 +105,8 @@ class PDFlow:
             return None
         finally:
             leg.cancel()
+            if self._routers is not None:
+                self._routers.finished(pool, key)
         self.metrics.prefill_latency(time.monotonic() - started)
         if 400 <= head.status < 500:
             return [head, payload]

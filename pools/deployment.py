@@ -23,6 +23,7 @@ from orchestrator.errors import EngineError
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import Endpoint, EngineSpec, ReplyHead, openai_error
 from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
+from router.wire import RouteKey
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,13 @@ class PoolReplica:
             os.environ[nixl_tuning.ENV] = str(self._settings.nixl_progress_delay_us)
         return msgspec.structs.replace(spec, kv_transfer_config=config)
 
-    async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
-        """Answer one OpenAI request; see pools.engine.ReplyHead for the stream's shape."""
+    async def reply(self, endpoint: Endpoint, body: dict,
+                    route: RouteKey | None = None) -> AsyncIterator[ReplyHead | bytes]:
+        """Answer one OpenAI request; see pools.engine.ReplyHead for the stream's shape.
+
+        `route` is what the gateway's router computed for the request; the replica ignores it
+        (Serve's request router reads it from the call's arguments).
+        """
         if self._state != "ready":
             yield ReplyHead(503, streaming=False)
             yield msgspec.json.encode(openai_error(503, "replica is draining; retry"))
@@ -161,7 +167,9 @@ class PoolReplica:
             app=self._settings.app, pool=self._settings.pool, role=self._settings.role,
             replica_id=self._replica_id, node_ip=self._node_ip, pid=os.getpid(),
             cores=self._cores.cores if self._cores else [], state=self._state, load=self._load(),
-            kv_events_endpoint=self._spec.kv_events_endpoint, started_s=self._started,
+            kv_events_endpoint=self._spec.kv_events_endpoint,
+            kv_replay_endpoint=self._spec.kv_events_replay_endpoint,
+            block_size=self._engine.block_size, started_s=self._started,
             side_channel=f"{self._side_channel.host}:{self._side_channel.port}"
             if self._side_channel else None,
             engine_start_s=self._engine_start_s,

@@ -148,6 +148,7 @@ class VllmEngine:
         self._serving: dict[Endpoint, Any] = {}
         self._requests: dict[Endpoint, Any] = {}
         self._error_type: type = type(None)
+        self.block_size = 0  # the KV cache block size, known once started
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -161,6 +162,7 @@ class VllmEngine:
 
         engine_args = build_engine_args(self.spec)
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        self.block_size = vllm_config.cache_config.block_size
         self._llm = AsyncLLM.from_vllm_config(
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,

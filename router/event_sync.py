@@ -8,6 +8,7 @@ the map may then under-report what is cached there, never over-report it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -24,6 +25,7 @@ class StreamStats:
     gaps_recovered: int = 0
     gaps_cleared: int = 0
     duplicates: int = 0
+    last_lag_s: float = 0.0  # how old the newest batch was when applied (publisher's clock)
 
 
 class ReplicaEventStream:
@@ -49,6 +51,11 @@ class ReplicaEventStream:
         self._socket.close()
         self._socket = self._subscribe()
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """The subscription, for a poller waiting on many streams (changes on resubscribe)."""
+        return self._socket
+
     def close(self) -> None:
         self._socket.close()
 
@@ -71,9 +78,11 @@ class ReplicaEventStream:
         return applied + 1
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        self._index.apply(self.replica, decode_batch(payload))
+        batch = decode_batch(payload)
+        self._index.apply(self.replica, batch)
         self._next_seq = seq + 1
         self.stats.batches += 1
+        self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
 
     def _recover(self, start: int, stop: int) -> int:
         """Apply batches [start, stop) from the replay endpoint, or clear the replica."""

@@ -60,7 +60,7 @@ class Handle:
     def reply(self) -> Handle:
         return self
 
-    def remote(self, endpoint: str, body: dict[str, Any]) -> Stream:
+    def remote(self, endpoint: str, body: dict[str, Any], route: Any = None) -> Stream:
         self.bodies.append(body)
         return self.streams.pop(0)
 
@@ -93,7 +93,7 @@ def run(flow: PDFlow, body: dict[str, Any]) -> list[Any]:
 
 def make(prefill: Handle, decode: Handle, tokens: int | None = 500) -> PDFlow:
     spec = DisaggregationSpec(min_prompt_tokens=100, prefill_timeout_s=0.2)
-    return PDFlow([prefill], [decode], spec, Counter(tokens), TransferMetrics(CollectorRegistry()))
+    return PDFlow([("prefill", prefill)], [decode], spec, Counter(tokens), TransferMetrics(CollectorRegistry()))
 
 
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 50, "stream": True,

@@ -1,0 +1,52 @@
+"""Pickers: turn total scores into an order of preference."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+from router.plugins import Candidate
+
+
+class MaxScorePicker:
+    """Highest total score first. Candidates within `tolerance` (relative) of the best are
+    shuffled, so equal replicas share load instead of the first one taking everything.
+
+    Example (tolerance 0.05): scores [1.0, 0.97, 0.5] -> the first two in random order, then the
+    third.
+    """
+
+    name = "max_score"
+
+    def __init__(self, tolerance: float = 0.05, rng: random.Random | None = None) -> None:
+        self._tolerance, self._rng = tolerance, rng or random.Random()
+
+    def rank(self, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+        if not candidates:
+            return []
+        order = sorted(range(len(candidates)), key=lambda i: -scores[i])
+        cutoff = scores[order[0]] * (1.0 - self._tolerance) if scores[order[0]] > 0 else 0.0
+        top = [i for i in order if scores[i] >= cutoff]
+        self._rng.shuffle(top)
+        rest = [i for i in order if scores[i] < cutoff]
+        return [candidates[i] for i in top + rest]
+
+
+class RoundRobinPicker:
+    """Ignores scores: the next replica in turn (by replica id), the others after it.
+
+    Example: replicas [a, b, c] over three requests -> a, b, c first in turn.
+    """
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def rank(self, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+        if not candidates:
+            return []
+        ordered = sorted(candidates, key=lambda c: c.replica)
+        start = next(self._turn) % len(ordered)
+        return ordered[start:] + ordered[:start]

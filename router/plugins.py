@@ -1,0 +1,80 @@
+"""The routing pipeline's contracts: what a scorer sees about each replica, and the plugin seams.
+
+A policy is filters, then weighted scorers, then a picker (see router/policies.py). Every plugin is
+a pure function of one `RouteRequest` and a list of `Candidate` snapshots, so each is tested with
+tables and no cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from router.index import ReplicaId
+
+
+class RouteRequest(msgspec.Struct, frozen=True):
+    """The request being routed, as far as routing cares."""
+
+    prompt_tokens: int = 0  # 0 when the prompt could not be read (routing falls back to load)
+    block_size: int = 1
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """One replica as the router sees it at decision time.
+
+    `cached_tokens` comes from the global KV block map (engine events); `approx_cached_tokens`
+    from this router's own past decisions. `queued_prefill_tokens` is prompt work already sent to
+    the replica and not yet answered with a first token; `prefill_tokens_per_s` is the replica's
+    prefill throughput measured online.
+    """
+
+    replica: ReplicaId
+    cached_tokens: int = 0
+    approx_cached_tokens: int = 0
+    queued_prefill_tokens: int = 0
+    in_flight: int = 0
+    kv_usage: float = 0.0
+    prefill_tokens_per_s: float = 4000.0
+
+    def uncached_tokens(self, request: RouteRequest) -> int:
+        return max(0, request.prompt_tokens - self.cached_tokens)
+
+    def estimated_ttft_s(self, request: RouteRequest) -> float:
+        """Queued prefill work ahead of the request plus its own uncached prefill, at the
+        replica's measured throughput.
+
+        Example: 3,000 tokens queued, a 2,048-token prompt with 1,536 cached, 4,000 tokens/s:
+        (3,000 + 512) / 4,000 = 0.878 s.
+        """
+        work = self.queued_prefill_tokens + self.uncached_tokens(request)
+        return work / max(self.prefill_tokens_per_s, 1.0)
+
+
+class Filter(Protocol):
+    """Drops candidates that must not take the request. Must keep at least one when given any
+    (a filter that would drop all returns its input unchanged)."""
+
+    name: str
+
+    def filter(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Candidate]: ...
+
+
+class Scorer(Protocol):
+    """Scores every candidate in [0, 1], higher is better; one score per candidate, in order.
+    The policy clamps out-of-range scores, so a buggy scorer cannot dominate the weighted sum."""
+
+    name: str
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]: ...
+
+
+class Picker(Protocol):
+    """Orders candidates by preference given their total scores; the first is the choice, the
+    rest are fallbacks when it turns out to be full. Owns its own randomness or cursor."""
+
+    name: str
+
+    def rank(self, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]: ...

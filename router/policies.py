@@ -1,0 +1,68 @@
+"""Named routing policies: filters, then weighted scorers, then a picker.
+
+A policy ranks candidates; it never blocks and never talks to another process. `least_loaded` is
+not here: it is Ray Serve's own power-of-two-choices router, used as is (see router/serve_router).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from router.pickers import MaxScorePicker, RoundRobinPicker
+from router.plugins import Candidate, Filter, Picker, RouteRequest
+from router.scorers import SCORERS, OverloadFilter
+
+# Default scorer weights of each score-based policy; `router.weights` in a topology replaces them.
+DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
+    "kv_aware": {"ttft": 1.0},
+    "prefix_approx": {"approx_prefix": 1.0, "queue": 0.5},
+    "round_robin": {},
+}
+POLICIES = (*DEFAULT_WEIGHTS, "least_loaded")
+
+
+@dataclass
+class Scored:
+    """One decision, kept for metrics and for `/tokenfab/route` explanations."""
+
+    ranked: list[Candidate]
+    scores: dict[str, float] = field(default_factory=dict)  # replica -> total score
+
+
+class Policy:
+    """Stateless apart from the picker's randomness or cursor; safe to call from one thread."""
+
+    def __init__(self, name: str, filters: Sequence[Filter], weights: Mapping[str, float],
+                 picker: Picker) -> None:
+        unknown = sorted(set(weights) - set(SCORERS))
+        if unknown:
+            raise ValueError(f"unknown scorer(s) {unknown}; known: {sorted(SCORERS)}")
+        self.name, self.filters, self.picker = name, list(filters), picker
+        self.weights = {scorer: weight for scorer, weight in weights.items() if weight}
+        self._scorers = {scorer: SCORERS[scorer]() for scorer in self.weights}
+
+    def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Scored:
+        kept = list(candidates)
+        for step in self.filters:
+            kept = step.filter(request, kept)
+        totals = [0.0] * len(kept)
+        for scorer, weight in self.weights.items():
+            for i, value in enumerate(self._scorers[scorer].score(request, kept)):
+                totals[i] += weight * min(1.0, max(0.0, value))
+        ranked = self.picker.rank(kept, totals)
+        dropped = [c for c in candidates if c not in kept]
+        return Scored(ranked + dropped, {c.replica: totals[i] for i, c in enumerate(kept)})
+
+
+def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
+                 max_in_flight: int = 64, tolerance: float = 0.05,
+                 rng: random.Random | None = None) -> Policy:
+    """The policy called `name` in a topology file, with optional scorer weights."""
+    if name not in DEFAULT_WEIGHTS:
+        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(DEFAULT_WEIGHTS)}")
+    if name == "round_robin":
+        return Policy(name, [], {}, RoundRobinPicker())
+    chosen = dict(weights) if weights else DEFAULT_WEIGHTS[name]
+    return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng))

@@ -1,0 +1,104 @@
+"""Built-in filters and scorers. Each scorer returns one score in [0, 1] per candidate.
+
+Formulas, for candidates c and request r (worked examples in each docstring):
+  prefix         c.cached_tokens / r.prompt_tokens
+  approx_prefix  c.approx_cached_tokens / r.prompt_tokens
+  queue          (max_q - c.in_flight) / (max_q - min_q), 1 when all are equal
+  kv_usage       1 - c.kv_usage
+  ttft           min over candidates of estimated TTFT / c's estimated TTFT
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.plugins import Candidate, RouteRequest
+
+
+class PrefixScorer:
+    """Share of the prompt the replica holds, from the engine-fed block map.
+
+    Example: a 1,024-token prompt, replica a holds 768 leading tokens, b none -> [0.75, 0.0].
+    """
+
+    name = "prefix"
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        total = request.prompt_tokens
+        return [c.cached_tokens / total if total else 0.0 for c in candidates]
+
+
+class ApproxPrefixScorer:
+    """Share of the prompt this router recently sent to the replica (no engine events needed).
+
+    Example: a 1,024-token prompt whose first 512 tokens went to b 10 s ago -> [0.0, 0.5].
+    """
+
+    name = "approx_prefix"
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        total = request.prompt_tokens
+        return [c.approx_cached_tokens / total if total else 0.0 for c in candidates]
+
+
+class QueueScorer:
+    """Fewer requests in flight is better, scaled between the least and the most loaded.
+
+    Example: in flight [2, 6, 4] -> [1.0, 0.0, 0.5].
+    """
+
+    name = "queue"
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        loads = [c.in_flight for c in candidates]
+        low, high = min(loads, default=0), max(loads, default=0)
+        if high == low:
+            return [1.0] * len(candidates)
+        return [(high - load) / (high - low) for load in loads]
+
+
+class KVUsageScorer:
+    """More free KV cache is better. Example: usage [0.9, 0.2] -> [0.1, 0.8]."""
+
+    name = "kv_usage"
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        return [1.0 - c.kv_usage for c in candidates]
+
+
+class TTFTScorer:
+    """Estimated time to first token (see Candidate.estimated_ttft_s), relative to the best.
+
+    Example: a 2,048-token prompt at 4,000 tokens/s everywhere; a holds 1,536 tokens and has 3,000
+    queued (0.878 s), b holds nothing and is idle (0.512 s) -> [0.583, 1.0]: the hot replica is
+    busy enough that recomputing on b is faster. With only 1,000 queued on a (0.378 s) -> [1.0,
+    0.738]: affinity wins.
+    """
+
+    name = "ttft"
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        estimates = [c.estimated_ttft_s(request) for c in candidates]
+        best = min(estimates, default=0.0)
+        return [best / estimate if estimate > 0 else 1.0 for estimate in estimates]
+
+
+class OverloadFilter:
+    """Drops replicas with `max_in_flight` or more requests in flight, so no prefix, however hot,
+    piles more onto a saturated replica; keeps everyone when all are saturated.
+
+    Example (max 8): in flight [8, 3] -> only the second remains; [8, 9] -> both remain.
+    """
+
+    name = "overload"
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+
+    def filter(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Candidate]:
+        kept = [c for c in candidates if c.in_flight < self.max_in_flight]
+        return kept or list(candidates)
+
+
+SCORERS = {cls.name: cls for cls in (PrefixScorer, ApproxPrefixScorer, QueueScorer,
+                                     KVUsageScorer, TTFTScorer)}
