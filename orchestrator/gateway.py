@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -133,8 +134,11 @@ class Gateway:
 
     @app.get("/tokenfab/router")
     async def router_status(self) -> dict[str, Any]:
-        """Per routed pool: policy, block map size, and per replica blocks held and stream state."""
-        return self._routers.status()
+        """This ingress replica, and per routed pool: policy, block map size, and per replica
+        the blocks the map holds and the state of its event stream."""
+        return {"ingress": {"pid": os.getpid(),
+                            "replica": serve.get_replica_context().replica_id.unique_id},
+                "pools": self._routers.status()}
 
     @app.post("/tokenfab/route/{endpoint}")
     async def explain_route(self, endpoint: str, request: Request) -> Response:

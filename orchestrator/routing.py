@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator.config import Topology, pool_deployment_name, routing_policy
 from pools.registry import ReplicaReport, get_registry
 from pools.tokenizer import PromptTokenCounter
-from router import serve_router
+from router import local_services
 from router.index import ReplicaId
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_WEIGHTS, build_policy
@@ -74,12 +74,14 @@ class PoolRouters:
             service = RoutingService(
                 pool.name,
                 build_policy(policy, spec.weights, max_in_flight=spec.max_in_flight,
-                             tolerance=spec.tie_tolerance),
+                             tolerance=spec.tie_tolerance,
+                             in_flight_cost_tokens=spec.in_flight_cost_tokens),
                 registry_source(topology.name), _hasher_factory(hash_algo), metrics,
                 max_index_entries=spec.max_index_entries, history_ttl_s=spec.history_ttl_s,
-                prior_tokens_per_s=spec.prefill_tokens_per_s)
+                prior_tokens_per_s=spec.prefill_tokens_per_s,
+                in_flight_cost_tokens=spec.in_flight_cost_tokens)
             service.start()
-            serve_router.register(serve_app, pool_deployment_name(pool.name), service)
+            local_services.register(serve_app, pool_deployment_name(pool.name), service)
             self.services[pool.name] = service
         if self.services:
             self._counter = PromptTokenCounter(topology.model.resolved_path)
@@ -135,5 +137,5 @@ class PoolRouters:
 
     def close(self) -> None:
         for pool, service in self.services.items():
-            serve_router.unregister(self._serve_app, pool_deployment_name(pool))
+            local_services.unregister(self._serve_app, pool_deployment_name(pool))
             service.stop()

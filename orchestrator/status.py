@@ -17,6 +17,7 @@ from orchestrator.errors import ClusterError
 _COLUMNS = [("pool", "POOL"), ("role", "ROLE"), ("replica", "REPLICA"), ("state", "STATE"),
             ("health", "HEALTH"), ("node", "NODE"), ("cores", "CORES"), ("running", "RUN"),
             ("waiting", "WAIT"), ("kv_usage", "KV%"), ("prefix_hit", "HIT%"),
+            ("cached_blocks", "BLOCKS"),
             ("kv_transfers", "XFERS"), ("kv_transfer_failures", "XFAIL")]
 
 
@@ -53,11 +54,16 @@ def collect(dashboard_url: str, app: str | None) -> tuple[list[dict[str, Any]], 
     topology = deployed_topology(client, app)
     details = client.application(topology.name) or {}
     reports = {r["replica_id"]: r for r in _from_gateway(topology, "/tokenfab/replicas") or []}
+    routed = (_from_gateway(topology, "/tokenfab/router") or {}).get("pools", {})
     rows = []
     for pool in topology.pools:
         deployment = (details.get("deployments") or {}).get(f"pool-{pool.name}") or {}
+        in_map = (routed.get(pool.name) or {}).get("replicas", {})
         for replica in deployment.get("replicas") or []:
-            rows.append(_row(pool.name, pool.role, replica, reports.get(replica["replica_id"])))
+            row = _row(pool.name, pool.role, replica, reports.get(replica["replica_id"]))
+            if replica["replica_id"] in in_map:
+                row["cached_blocks"] = in_map[replica["replica_id"]]["cached_blocks"]
+            rows.append(row)
     return rows, _from_gateway(topology, "/tokenfab/pd") or {}
 
 

@@ -8,7 +8,9 @@ the map may then under-report what is cached there, never over-report it.
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import zmq
@@ -25,17 +27,21 @@ class StreamStats:
     gaps_recovered: int = 0
     gaps_cleared: int = 0
     duplicates: int = 0
+    caught_up: int = 0  # batches applied from the replay buffer when subscribing
     last_lag_s: float = 0.0  # how old the newest batch was when applied (publisher's clock)
 
 
 class ReplicaEventStream:
-    """Owned by the thread that owns the index; `poll` is its only entry point."""
+    """Used by one thread (`catch_up`, then `poll`). The index is touched only under `lock`
+    when one is given, so waiting on sockets never holds up the index's readers."""
 
     def __init__(self, replica: ReplicaId, endpoint: str, replay_endpoint: str | None,
-                 index: KVBlockIndex, context: zmq.Context, replay_timeout_s: float = 2.0) -> None:
+                 index: KVBlockIndex, context: zmq.Context, replay_timeout_s: float = 2.0,
+                 lock: threading.Lock | None = None) -> None:
         self.replica, self.endpoint, self.replay_endpoint = replica, endpoint, replay_endpoint
         self.stats = StreamStats()
         self._index, self._context, self._replay_timeout_ms = index, context, int(1000 * replay_timeout_s)
+        self._guard = lock if lock is not None else nullcontext()
         self._next_seq = 0
         self._socket = self._subscribe()
 
@@ -59,6 +65,16 @@ class ReplicaEventStream:
     def close(self) -> None:
         self._socket.close()
 
+    def catch_up(self) -> int:
+        """Apply what the replica still buffers from before we subscribed (a router that joins
+        late, e.g. a new ingress replica). If the oldest batches are gone, the newer ones are
+        still exact for the blocks they store. Returns how many batches were applied."""
+        replayed = self._replay(self._next_seq, 2**62) or []
+        for seq, payload in replayed:
+            self._apply(seq, payload)
+        self.stats.caught_up += len(replayed)
+        return len(replayed)
+
     def poll(self, timeout_ms: int = 0) -> int:
         """Apply every batch that arrives within `timeout_ms`; returns how many were applied."""
         applied = 0
@@ -79,7 +95,8 @@ class ReplicaEventStream:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         batch = decode_batch(payload)
-        self._index.apply(self.replica, batch)
+        with self._guard:
+            self._index.apply(self.replica, batch)
         self._next_seq = seq + 1
         self.stats.batches += 1
         self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
@@ -89,7 +106,8 @@ class ReplicaEventStream:
         replayed = self._replay(start, stop)
         if replayed is None or (replayed and replayed[0][0] != start) or (
                 not replayed and start < stop):
-            self._index.clear(self.replica)
+            with self._guard:
+                self._index.clear(self.replica)
             self.stats.gaps_cleared += 1
             return 0
         for seq, payload in replayed:

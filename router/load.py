@@ -38,6 +38,12 @@ class LoadTracker:
         self._rate: dict[ReplicaId, float] = {}
 
     def dispatched(self, request_id: str, replica: ReplicaId, prefill_tokens: int) -> None:
+        """Count the request on `replica` (moving it there if it was counted elsewhere)."""
+        previous = self._requests.get(request_id)
+        if previous is not None:
+            if previous.replica == replica:
+                return
+            self._drop(request_id)
         queued = self._queued.get(replica, 0) + prefill_tokens
         self._requests[request_id] = _InFlight(replica, prefill_tokens, queued, self._clock())
         self._queued[replica] = queued
@@ -64,9 +70,15 @@ class LoadTracker:
 
     def finished(self, request_id: str) -> None:
         self.first_token(request_id)
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
-        if request is not None:
-            self._in_flight[request.replica] -= 1
+        if request is None:
+            return
+        if not request.prefilled:
+            self._queued[request.replica] -= request.prefill_tokens
+        self._in_flight[request.replica] -= 1
 
     def queued_prefill_tokens(self, replica: ReplicaId) -> int:
         return self._queued.get(replica, 0)

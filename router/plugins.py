@@ -42,14 +42,16 @@ class Candidate(msgspec.Struct, frozen=True):
     def uncached_tokens(self, request: RouteRequest) -> int:
         return max(0, request.prompt_tokens - self.cached_tokens)
 
-    def estimated_ttft_s(self, request: RouteRequest) -> float:
-        """Queued prefill work ahead of the request plus its own uncached prefill, at the
-        replica's measured throughput.
+    def estimated_ttft_s(self, request: RouteRequest, in_flight_cost_tokens: int = 0) -> float:
+        """Work ahead of the request plus its own uncached prefill, at the replica's measured
+        prefill throughput. Work ahead is the prefill queued there plus, for each request in
+        flight, `in_flight_cost_tokens` (its decode steps slow every prefill step beside them).
 
-        Example: 3,000 tokens queued, a 2,048-token prompt with 1,536 cached, 4,000 tokens/s:
-        (3,000 + 512) / 4,000 = 0.878 s.
+        Example: 3,000 tokens queued, 2 requests in flight at 128 tokens each, a 2,048-token
+        prompt with 1,536 cached, 4,000 tokens/s: (3,000 + 256 + 512) / 4,000 = 0.942 s.
         """
-        work = self.queued_prefill_tokens + self.uncached_tokens(request)
+        work = (self.queued_prefill_tokens + self.in_flight * in_flight_cost_tokens
+                + self.uncached_tokens(request))
         return work / max(self.prefill_tokens_per_s, 1.0)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.pickers import MaxScorePicker, RoundRobinPicker
 from router.plugins import Candidate, Filter, Picker, RouteRequest
@@ -35,13 +36,14 @@ class Policy:
     """Stateless apart from the picker's randomness or cursor; safe to call from one thread."""
 
     def __init__(self, name: str, filters: Sequence[Filter], weights: Mapping[str, float],
-                 picker: Picker) -> None:
+                 picker: Picker, scorer_args: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         unknown = sorted(set(weights) - set(SCORERS))
         if unknown:
             raise ValueError(f"unknown scorer(s) {unknown}; known: {sorted(SCORERS)}")
         self.name, self.filters, self.picker = name, list(filters), picker
         self.weights = {scorer: weight for scorer, weight in weights.items() if weight}
-        self._scorers = {scorer: SCORERS[scorer]() for scorer in self.weights}
+        args = scorer_args or {}
+        self._scorers = {scorer: SCORERS[scorer](**args.get(scorer, {})) for scorer in self.weights}
 
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Scored:
         kept = list(candidates)
@@ -57,7 +59,7 @@ class Policy:
 
 
 def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
-                 max_in_flight: int = 64, tolerance: float = 0.05,
+                 max_in_flight: int = 64, tolerance: float = 0.05, in_flight_cost_tokens: int = 128,
                  rng: random.Random | None = None) -> Policy:
     """The policy called `name` in a topology file, with optional scorer weights."""
     if name not in DEFAULT_WEIGHTS:
@@ -65,4 +67,5 @@ def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
     if name == "round_robin":
         return Policy(name, [], {}, RoundRobinPicker())
     chosen = dict(weights) if weights else DEFAULT_WEIGHTS[name]
-    return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng))
+    return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng),
+                  {"ttft": {"in_flight_cost_tokens": in_flight_cost_tokens}})

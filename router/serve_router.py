@@ -10,33 +10,15 @@ routes at random.
 from __future__ import annotations
 
 import random
-import threading
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router import local_services
 from router.index import ReplicaId
 from router.service import RoutingService
 
 ROUTER_CLASS = "router.serve_router:ServiceRequestRouter"
-
-_services: dict[tuple[str, str], RoutingService] = {}
-_services_lock = threading.Lock()
-
-
-def register(app: str, deployment: str, service: RoutingService) -> None:
-    with _services_lock:
-        _services[(app, deployment)] = service
-
-
-def unregister(app: str, deployment: str) -> None:
-    with _services_lock:
-        _services.pop((app, deployment), None)
-
-
-def lookup(app: str, deployment: str) -> RoutingService | None:
-    with _services_lock:
-        return _services.get((app, deployment))
 
 
 def _route_key(pending_request: PendingRequest | None) -> Any:
@@ -51,7 +33,8 @@ class ServiceRequestRouter(RequestRouter):
         self._rng = random.Random()
 
     def _service(self) -> RoutingService | None:
-        return lookup(self._deployment_id.app_name, self._deployment_id.name)
+        # Serve pickles this class by value: module state lives in `local_services`.
+        return local_services.lookup(self._deployment_id.app_name, self._deployment_id.name)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None

@@ -35,8 +35,10 @@ class RoutingService:
     def __init__(self, pool: str, policy: Policy, source: ReplicaSource,
                  hasher_factory: Callable[[int], BlockHasher], metrics: RouterMetrics | None = None,
                  *, max_index_entries: int = 10_000_000, refresh_s: float = 1.0,
-                 history_ttl_s: float = 300.0, prior_tokens_per_s: float = 4000.0) -> None:
+                 history_ttl_s: float = 300.0, prior_tokens_per_s: float = 4000.0,
+                 in_flight_cost_tokens: int = 128) -> None:
         self.pool, self.policy = pool, policy
+        self._in_flight_cost = in_flight_cost_tokens
         self._source, self._hasher_factory, self._metrics = source, hasher_factory, metrics
         self._refresh_s = refresh_s
         self._lock = threading.Lock()
@@ -82,10 +84,18 @@ class RoutingService:
     # -- request-router side ------------------------------------------------------------------
 
     def rank(self, key: RouteKey | None, replicas: Sequence[ReplicaId]) -> list[ReplicaId]:
-        """Replicas in order of preference for the request (first is the choice)."""
+        """Replicas in order of preference for the request (first is the choice).
+
+        The request is counted on its first choice at once: requests routed in the same instant
+        see each other's load before Serve confirms any placement (`dispatched` corrects it).
+        """
         with self._lock:
             candidates = self._candidates(key, replicas)
             scored = self.policy.rank(_request(key), candidates)
+            if key is not None and scored.ranked:
+                first = scored.ranked[0]
+                self._tracker.dispatched(key.request_id, first.replica, first.uncached_tokens(
+                    _request(key)))
         return [c.replica for c in scored.ranked]
 
     def dispatched(self, key: RouteKey | None, replica: ReplicaId) -> None:
@@ -95,8 +105,7 @@ class RoutingService:
             if key is not None:
                 matched = self._index.longest_prefix(key.block_hashes).get(replica, 0)
                 cached = min(matched * key.block_size, key.prompt_tokens)
-                uncached = key.prompt_tokens - cached
-                self._tracker.dispatched(key.request_id, replica, uncached)
+                self._tracker.dispatched(key.request_id, replica, key.prompt_tokens - cached)
                 self._history.record(replica, key.block_hashes)
                 self._keys[key.request_id] = key
         if self._metrics is not None:
@@ -142,7 +151,7 @@ class RoutingService:
                 "approx_cached_tokens": c.approx_cached_tokens,
                 "queued_prefill_tokens": c.queued_prefill_tokens, "in_flight": c.in_flight,
                 "kv_usage": c.kv_usage, "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1),
-                "estimated_ttft_s": round(c.estimated_ttft_s(_request(key)), 6),
+                "estimated_ttft_s": round(c.estimated_ttft_s(_request(key), self._in_flight_cost), 6),
                 "score": round(scored.scores.get(c.replica, 0.0), 6),
             } for c in candidates],
         }
@@ -158,6 +167,7 @@ class RoutingService:
                     "cached_blocks": self._index.blocks_of(replica),
                     "event_batches": stats.batches if stats else 0,
                     "gaps_recovered": stats.gaps_recovered if stats else 0,
+                    "caught_up": stats.caught_up if stats else 0,
                     "gaps_cleared": stats.gaps_cleared if stats else 0,
                     "engine_cached_tokens": view.engine_cached_tokens,
                     "engine_prompt_tokens": view.engine_prompt_tokens,
@@ -194,10 +204,9 @@ class RoutingService:
                 poller = self._refresh(poller)
             ready = dict(poller.poll(50))
             if ready:
-                with self._lock:
-                    for stream in self._streams.values():
-                        if stream.socket in ready:
-                            stream.poll(0)
+                for stream in list(self._streams.values()):
+                    if stream.socket in ready:
+                        stream.poll(0)  # applies under the lock, batch by batch
                 self._record_stream_metrics()
 
     def _refresh(self, poller: zmq.Poller) -> zmq.Poller:
@@ -206,33 +215,31 @@ class RoutingService:
         except Exception as exc:  # the registry is restarting: keep following what we know
             logger.warning("replica registry unavailable: %s", exc)
             return poller
+        wanted = {v.replica: v for v in views if v.kv_events_endpoint}
         with self._lock:
             self._views = {v.replica: v for v in views}
-            changed = self._sync_streams()
+            gone = [r for r in self._streams if r not in wanted]
+            for replica in gone:  # removed, or restarted (a restart is a new replica id)
+                self._streams.pop(replica).close()
+                self._index.drop_replica(replica)
+                self._tracker.forget(replica)
+                self._history.forget(replica)
+                self._counted.pop(replica, None)
+        added = [r for r in wanted if r not in self._streams]
+        for replica in added:  # subscribe, then fetch what was published before (no lock held)
+            view = wanted[replica]
+            stream = ReplicaEventStream(replica, view.kv_events_endpoint, view.kv_replay_endpoint,
+                                        self._index, self._context, lock=self._lock)
+            stream.catch_up()
+            with self._lock:
+                self._streams[replica] = stream
         self._record_view_metrics()
-        if not changed:
+        if not (gone or added):
             return poller
         poller = zmq.Poller()
         for stream in self._streams.values():
             poller.register(stream.socket, zmq.POLLIN)
         return poller
-
-    def _sync_streams(self) -> bool:
-        wanted = {r: v for r, v in self._views.items() if v.kv_events_endpoint}
-        gone = [r for r in self._streams if r not in wanted]
-        for replica in gone:  # removed or restarted (a restart is a new replica id)
-            self._streams.pop(replica).close()
-            self._index.drop_replica(replica)
-            self._tracker.forget(replica)
-            self._history.forget(replica)
-            self._counted.pop(replica, None)
-        added = [r for r in wanted if r not in self._streams]
-        for replica in added:
-            view = wanted[replica]
-            self._streams[replica] = ReplicaEventStream(
-                replica, view.kv_events_endpoint, view.kv_replay_endpoint, self._index,
-                self._context)
-        return bool(gone or added)
 
     def _record_view_metrics(self) -> None:
         if self._metrics is None:

@@ -247,6 +247,156 @@ def _stored_hashes(socket, minimum: int, timeout_s: float = 20.0) -> tuple[int, 
     return block_size, hashes
 
 
+def _gateway(deployment: Deployment, path: str, body: dict | None = None):
+    url = deployment.base_url.removesuffix("/v1") + path
+    response = httpx.post(url, json=body, timeout=60, trust_env=False) if body is not None \
+        else httpx.get(url, timeout=60, trust_env=False)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _router_replicas(deployment: Deployment) -> dict[str, dict]:
+    return _gateway(deployment, "/tokenfab/router")["pools"]["main"]["replicas"]
+
+
+def _wait(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _long_prompt(tag: str, words: int = 300) -> str:
+    return f"{tag} " + " ".join(f"{tag}{i % 37}" for i in range(words))
+
+
+def test_router_hashes_chats_and_prompts_as_the_engine_does(deployment: Deployment,
+                                                            http: httpx.Client) -> None:
+    """The gateway tokenises (chat template included) and hashes a request; the hashes it will
+    route with are exactly those the serving engine then publishes in BlockStored events."""
+    import zmq
+
+    rows = _json_tail(deployment.tokenfab("status", "--json").stdout)
+    context = zmq.Context()
+    sockets = {}
+    for row in rows:
+        socket = context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(row["kv_events_endpoint"])
+        sockets[row["replica"]] = socket
+    time.sleep(0.5)
+    cases = [
+        ("chat", {"messages": [{"role": "system", "content": _long_prompt("sys", 200)},
+                               {"role": "user", "content": "hash me " * 40}]}),
+        ("chat", {"messages": [{"role": "user", "content": _long_prompt("solo", 260)}],
+                  "cache_salt": "tenant-b"}),
+        ("completions", {"prompt": _long_prompt("plain", 340)}),
+    ]
+    try:
+        for endpoint, fields in cases:
+            body = {"model": MODEL, "max_tokens": 2} | fields
+            explained = _gateway(deployment, f"/tokenfab/route/{endpoint}", body)["main"]
+            expected = explained["block_hashes"]
+            assert len(expected) >= 3 and explained["prompt_tokens"] >= 3 * explained["block_size"]
+            path = "/chat/completions" if endpoint == "chat" else "/completions"
+            response = http.post(path, json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["prompt_tokens"] == explained["prompt_tokens"]
+            socket = sockets[response.headers["x-tokenfab-replica"]]
+            _, published = _stored_hashes(socket, minimum=len(expected))
+            assert [h.hex() if isinstance(h, bytes) else str(h) for h in published[:len(expected)]] \
+                == expected
+    finally:
+        context.destroy(linger=0)
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(deployment: Deployment,
+                                                         http: httpx.Client) -> None:
+    prefix = _long_prompt("affinity", 320)
+    first = http.post("/completions", json={"model": MODEL, "prompt": prefix + " first",
+                                            "max_tokens": 2})
+    assert first.status_code == 200, first.text
+    holder = first.headers["x-tokenfab-replica"]
+    prompt_tokens = first.json()["usage"]["prompt_tokens"]
+    _wait(lambda: _router_replicas(deployment)[holder]["cached_blocks"] >= prompt_tokens // 128,
+          10, "the holder's BlockStored events in the router's map")
+    explained = _gateway(deployment, "/tokenfab/route/completions",
+                         {"model": MODEL, "prompt": prefix + " second"})["main"]
+    cached = {c["replica"]: c["cached_tokens"] for c in explained["candidates"]}
+    assert cached[holder] >= 128 * (prompt_tokens // 128 - 1)
+    assert explained["ranked"][0] == holder
+    for turn in ("second", "third", "fourth", "fifth"):
+        response = http.post("/completions", json={"model": MODEL, "prompt": f"{prefix} {turn}",
+                                                   "max_tokens": 2})
+        assert response.headers["x-tokenfab-replica"] == holder
+        engine_cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert engine_cached >= 128 * (prompt_tokens // 128 - 1)  # the engine confirms the hit
+    metrics = httpx.get(deployment.base_url.removesuffix("/v1") + "/metrics", trust_env=False).text
+    assert 'tokenfab_router_decisions_total{policy="kv_aware",pool="main"}' in metrics
+    assert "tokenfab_router_predicted_cached_tokens_total" in metrics
+    status = _json_tail(deployment.tokenfab("status", "--json").stdout)
+    assert {row["replica"]: row["cached_blocks"] for row in status}[holder] >= prompt_tokens // 128
+
+
+def test_evicted_blocks_leave_the_map(deployment: Deployment, http: httpx.Client) -> None:
+    """64 MiB of KV cache per replica holds 256 blocks: 40 new 1,900-token prompts evict an
+    earlier prefix; the map, fed by BlockRemoved events, stops claiming it, and the engine
+    agrees (no cached tokens when it comes back)."""
+    prefix = _long_prompt("evictme", 320)
+    first = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1})
+    holder = first.headers["x-tokenfab-replica"]
+
+    def holder_cached() -> int:
+        explained = _gateway(deployment, "/tokenfab/route/completions",
+                             {"model": MODEL, "prompt": prefix})["main"]
+        return {c["replica"]: c["cached_tokens"] for c in explained["candidates"]}.get(holder, 0)
+
+    _wait(lambda: holder_cached() > 0, 10, "the prefix in the map")
+
+    async def flood() -> list[int]:
+        async with httpx.AsyncClient(base_url=deployment.base_url, timeout=300,
+                                     trust_env=False) as client:
+            replies = await asyncio.gather(*[client.post("/completions", json={
+                "model": MODEL, "prompt": _long_prompt(f"flood{i}x", 450), "max_tokens": 1})
+                for i in range(40)])
+        return [r.status_code for r in replies]
+
+    assert asyncio.run(flood()) == [200] * 40
+    _wait(lambda: holder_cached() == 0, 10, "BlockRemoved events to clear the prefix")
+    again = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1})
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_restarted_gateway_rebuilds_the_map_from_replay(deployment: Deployment,
+                                                        http: httpx.Client) -> None:
+    """A new ingress replica joins after the events were published: it detects that it missed
+    them and replays them from each engine's replay endpoint, so routing keeps its affinity."""
+    import os
+    import signal
+
+    prefix = _long_prompt("replayed", 320)
+    first = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1})
+    holder = first.headers["x-tokenfab-replica"]
+    before = _router_replicas(deployment)
+    pid = _gateway(deployment, "/tokenfab/router")["ingress"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        try:
+            return _gateway(deployment, "/tokenfab/router")["ingress"]["pid"] != pid
+        except (httpx.HTTPError, AssertionError):
+            return False
+
+    _wait(restarted, 60, "Serve to restart the gateway")
+    _wait(lambda: _router_replicas(deployment).get(holder, {}).get("cached_blocks", 0)
+          >= before[holder]["cached_blocks"], 15, "the new gateway to rebuild the map")
+    assert _router_replicas(deployment)[holder]["caught_up"] > 0
+    response = http.post("/completions", json={"model": MODEL, "prompt": prefix + " again",
+                                               "max_tokens": 1})
+    assert response.headers["x-tokenfab-replica"] == holder
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_scale_down_drains_in_flight_requests(deployment: Deployment) -> None:
     async def scenario() -> tuple[list[httpx.Response], subprocess.CompletedProcess]:
         requests = asyncio.create_task(_concurrent_replicas(deployment.base_url, 6, 500))
@@ -261,3 +411,6 @@ def test_scale_down_drains_in_flight_requests(deployment: Deployment) -> None:
     assert len({r.headers["x-tokenfab-replica"] for r in responses}) == 2  # one was removed mid-flight
     rows = _json_tail(deployment.tokenfab("status", "--json").stdout)
     assert len(rows) == 1 and rows[0]["health"] == "healthy"
+    # the removed replica leaves the router's map once the registry stops reporting it
+    _wait(lambda: set(_router_replicas(deployment)) == {rows[0]["replica"]}, 30,
+          "the removed replica to leave the map")

@@ -1,0 +1,263 @@
+"""Routing policies on Mooncake's public trace, against real engines, in one run.
+
+Two unified replicas of the tiny model (one core each, small KV caches so capacity matters)
+serve a replay of `../shared/traces/synthetic_trace.jsonl`. The trace is sampled by conversation
+root (every request whose first block belongs to a seeded random 6% of roots, in trace order), so
+all prefix sharing among the sampled requests is kept; each 512-token block id becomes 32 fixed
+single-token words, prompts are capped at 60 blocks (1,920 tokens), outputs at 1/8 of the trace's
+(1..32 tokens). Arrival times are the trace's, rescaled to each target rate. Every policy gets a
+fresh deployment; every rate gets its own word mapping, so each run starts with cold caches.
+
+    .venv/bin/python benchmarks/routing.py [--rates 2,4,8] [--policies kv_aware,round_robin]
+
+Writes benchmarks/results/routing.json, routing.md and routing_ttft.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from orchestrator import cluster, deploy
+from orchestrator.config import Topology, parse_topology
+from orchestrator.status import gateway_url
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
+POLICIES = ["round_robin", "least_loaded", "prefix_approx", "ray_prefix_affinity", "kv_aware"]
+BLOCK_TOKENS, MAX_BLOCKS, ROOT_SHARE, SAMPLE_SEED = 32, 60, 0.06, 0
+CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6392",
+           "dashboard_url": "http://127.0.0.1:8277", "num_cpus": 2}
+
+
+def topology(policy: str, kv_cache: str) -> Topology:
+    return parse_topology({
+        "name": f"route-{policy.replace('_', '-')}",
+        "model": {"name": "tiny", "path": "~/.cache/tokenfab/models/tiny-llama",
+                  "generate": "tiny", "dtype": "bfloat16", "max_model_len": 2048},
+        "engine_args": {"enforce_eager": True, "block_size": BLOCK_TOKENS},
+        "pools": [{"name": "main", "role": "unified", "replicas": 2, "max_ongoing_requests": 256,
+                   "resources": {"cpus": 1, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
+        "router": {"policy": policy},
+        "gateway": {"host": "127.0.0.1", "port": 8021},
+        "cluster": CLUSTER,
+    }, f"routing benchmark ({policy})")
+
+
+def sample_trace() -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+    roots = sorted({row["hash_ids"][0] for row in rows})
+    chosen = set(random.Random(SAMPLE_SEED).sample(roots, int(ROOT_SHARE * len(roots))))
+    return [row for row in rows if row["hash_ids"][0] in chosen]
+
+
+def upper_bound_hit_rate(requests: list[dict[str, Any]]) -> float:
+    """Share of prompt blocks an infinite cache shared by all replicas would serve."""
+    seen: set[int] = set()
+    hits = total = 0
+    for row in requests:
+        blocks = row["hash_ids"][:MAX_BLOCKS]
+        total += len(blocks)
+        for block in blocks:
+            if block not in seen:
+                break
+            hits += 1
+        seen.update(blocks)
+    return hits / total
+
+
+def single_token_words(model_path: str) -> list[str]:
+    """Words the tokenizer encodes as exactly one token after a space."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    words = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if text.startswith(" ") and text[1:].isalpha() and \
+                tokenizer(text, add_special_tokens=False).input_ids == [token_id]:
+            words.append(text)
+    return words
+
+
+class Prompts:
+    """Block id -> 32 words, fixed per `namespace` (a new namespace shares nothing with others)."""
+
+    def __init__(self, words: list[str], namespace: int) -> None:
+        self._words, self._namespace, self._chunks = words, namespace, {}
+
+    def chunk(self, block: int) -> str:
+        if block not in self._chunks:
+            rng = random.Random(self._namespace * 1_000_003 + block)
+            self._chunks[block] = "".join(rng.choice(self._words) for _ in range(BLOCK_TOKENS))
+        return self._chunks[block]
+
+    def prompt(self, row: dict[str, Any]) -> str:
+        return "".join(self.chunk(block) for block in row["hash_ids"][:MAX_BLOCKS])
+
+
+async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list) -> None:
+    sent, first, usage, status = time.monotonic(), None, {}, 0
+    try:
+        async with client.stream("POST", "/completions", json=body) as response:
+            status = response.status_code
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                    first = time.monotonic()
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except httpx.HTTPError:
+        status = 599
+    out.append({"sent": sent, "ttft": (first - sent) if first else None,
+                "done": time.monotonic(), "status": status, "usage": usage})
+
+
+async def replay(base_url: str, requests: list[dict[str, Any]], prompts: Prompts,
+                 rate: float) -> list[dict[str, Any]]:
+    start_ms = requests[0]["timestamp"]
+    span_s = max(1.0, (requests[-1]["timestamp"] - start_ms) / 1000)
+    scale = (len(requests) / rate) / span_s
+    out: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, trust_env=False,
+                                 limits=limits) as client:
+        began, tasks = time.monotonic(), []
+        for row in requests:
+            at = began + (row["timestamp"] - start_ms) / 1000 * scale
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            body = {"model": "tiny", "prompt": prompts.prompt(row), "stream": True,
+                    "stream_options": {"include_usage": True}, "ignore_eos": True,
+                    "max_tokens": max(1, min(32, row["output_length"] // 8)), "temperature": 0}
+            tasks.append(asyncio.create_task(one_request(client, body, out)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+def summarize(policy: str, rate: float, results: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in results if r["status"] == 200 and r["ttft"] is not None]
+    ttft = np.array([r["ttft"] for r in ok])
+    prompt = sum(r["usage"].get("prompt_tokens", 0) for r in ok)
+    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok)
+    output = sum(r["usage"].get("completion_tokens", 0) for r in ok)
+    wall = max(r["done"] for r in results) - min(r["sent"] for r in results)
+    return {"policy": policy, "rate_rps": rate, "requests": len(results), "failed": len(results) - len(ok),
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)), "output_tok_s": output / wall,
+            "hit_rate": cached / prompt if prompt else 0.0}
+
+
+def deployed(spec: Topology) -> str:
+    client = deploy.ServeClient(spec.cluster.dashboard_url)
+    client.deploy(spec)
+    deploy.wait_until_running(client, spec.name, 900, lambda line: print("  ", line))
+    return gateway_url(spec)
+
+
+def remove(spec: Topology) -> None:
+    client = deploy.ServeClient(spec.cluster.dashboard_url)
+    client.delete(spec.name, spec)
+    deploy.wait_until_gone(client, spec.name, 300)
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r["policy"] for r in records):
+        rows = [r for r in records if r["policy"] == policy]
+        ax.plot([r["rate_rps"] for r in rows], [r["ttft_p90_s"] for r in rows], marker="o",
+                label=policy, linewidth=2.5 if policy == "kv_aware" else 1.2)
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("TTFT p90 (s)")
+    ax.set_yscale("log")
+    ax.set_title("Mooncake trace sample, 2 tiny-model replicas on CPU")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def markdown(result: dict[str, Any], args: argparse.Namespace, sampled: int) -> str:
+    lines = [
+        "# Routing policies on the Mooncake trace", "",
+        f"`python benchmarks/routing.py --rates {args.rates} --kv-cache {args.kv_cache}`: "
+        f"{sampled} requests sampled by conversation root, 2 replicas x 1 core, "
+        f"{args.kv_cache} KV cache each, block {BLOCK_TOKENS} tokens. Infinite-cache hit rate "
+        f"(upper bound): {result['upper_bound_hit_rate']:.3f}.", "",
+        "| policy | rate (req/s) | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | output tok/s "
+        "| hit rate | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["records"]:
+        lines.append(f"| {r['policy']} | {r['rate_rps']:g} | {r['ttft_p50_s']:.3f} | "
+                     f"{r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['output_tok_s']:.1f} | "
+                     f"{r['hit_rate']:.3f} | {r['failed']} |")
+    lines += ["", "Ratios of kv_aware's TTFT p90 to each other policy's, per rate:", ""]
+    lines += [f"- {line}" for line in ratios(result["records"])]
+    return "\n".join(lines) + "\n"
+
+
+def ratios(records: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for rate in sorted({r["rate_rps"] for r in records}):
+        at = {r["policy"]: r for r in records if r["rate_rps"] == rate}
+        if "kv_aware" not in at:
+            continue
+        ours = at["kv_aware"]["ttft_p90_s"]
+        parts = [f"{p} {ours / r['ttft_p90_s']:.2f}" for p, r in at.items() if p != "kv_aware"]
+        out.append(f"{rate:g} req/s: " + ", ".join(parts))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="2,4,8")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--kv-cache", default="24MiB")
+    parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    parser.add_argument("--out", default=str(RESULTS / "routing.json"))
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    requests = sample_trace()
+    if args.limit:
+        requests = requests[:args.limit]
+    specs = {p: topology(p, args.kv_cache) for p in args.policies.split(",")}
+    words = single_token_words(next(iter(specs.values())).model.resolved_path)
+    result = {"upper_bound_hit_rate": upper_bound_hit_rate(requests), "records": []}
+    cluster.start_head(next(iter(specs.values())).cluster)
+    try:
+        for policy, spec in specs.items():
+            print(f"{policy}: deploying")
+            base = f"{deployed(spec)}/v1"
+            for namespace, rate in enumerate(rates):
+                results = asyncio.run(replay(base, requests, Prompts(words, namespace + 1), rate))
+                result["records"].append(summarize(policy, rate, results))
+                print(json.dumps(result["records"][-1]))
+            remove(spec)
+    finally:
+        cluster.stop_ray()
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result, args, len(requests)))
+    plot(result["records"], out.with_name(out.stem + "_ttft.png"))
+    print("\n".join(ratios(result["records"])))
+
+
+if __name__ == "__main__":
+    main()

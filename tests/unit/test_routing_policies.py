@@ -1,0 +1,104 @@
+"""Scorer, filter, picker and policy tables with exact expected picks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.index import ReplicaId
+from router.pickers import MaxScorePicker, RoundRobinPicker
+from router.plugins import Candidate, RouteRequest
+from router.policies import build_policy
+from router.scorers import (ApproxPrefixScorer, KVUsageScorer, OverloadFilter, PrefixScorer,
+                            QueueScorer, TTFTScorer)
+
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+REQ = RouteRequest(prompt_tokens=2048, block_size=128)
+
+
+def cand(replica: str, **fields) -> Candidate:
+    return Candidate(replica=ReplicaId(replica), **fields)
+
+
+@pytest.mark.parametrize(("scorer", "candidates", "expected"), [
+    (PrefixScorer(), [cand("a", cached_tokens=1536), cand("b")], [0.75, 0.0]),
+    (ApproxPrefixScorer(), [cand("a"), cand("b", approx_cached_tokens=1024)], [0.0, 0.5]),
+    (QueueScorer(), [cand("a", in_flight=2), cand("b", in_flight=6), cand("c", in_flight=4)],
+     [1.0, 0.0, 0.5]),
+    (QueueScorer(), [cand("a", in_flight=3), cand("b", in_flight=3)], [1.0, 1.0]),
+    (KVUsageScorer(), [cand("a", kv_usage=0.9), cand("b", kv_usage=0.2)], [0.1, 0.8]),
+    # The docstring's example: the hot replica is too busy, recomputing on b is faster ...
+    (TTFTScorer(), [cand("a", cached_tokens=1536, queued_prefill_tokens=3000),
+                    cand("b")], [0.512 / 0.878, 1.0]),
+    # ... but with less queued on a, affinity wins.
+    (TTFTScorer(), [cand("a", cached_tokens=1536, queued_prefill_tokens=1000),
+                    cand("b")], [1.0, 0.378 / 0.512]),
+    # Requests in flight count as work ahead: 2 x 128 tokens (the docstring's example).
+    (TTFTScorer(), [cand("a", cached_tokens=1536, queued_prefill_tokens=3000, in_flight=2),
+                    cand("b")], [0.512 / 0.942, 1.0]),
+    # Short prompts, nothing cached: the idle replica beats the one with requests in flight.
+    (TTFTScorer(), [cand("a", in_flight=1), cand("b")], [2048 / (2048 + 128), 1.0]),
+    # A replica measured twice as fast halves its estimate.
+    (TTFTScorer(), [cand("a", prefill_tokens_per_s=8000.0), cand("b")], [1.0, 0.5]),
+])
+def test_scorers(scorer, candidates, expected) -> None:
+    assert scorer.score(REQ, candidates) == pytest.approx(expected, abs=1e-3)
+
+
+def test_scorers_without_a_readable_prompt_do_not_divide_by_zero() -> None:
+    empty = RouteRequest()
+    assert PrefixScorer().score(empty, [cand("a", cached_tokens=5)]) == [0.0]
+    assert TTFTScorer().score(empty, [cand("a"), cand("b")]) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(("in_flight", "kept"), [
+    ([8, 3], ["b"]), ([8, 9], ["a", "b"]), ([1, 2], ["a", "b"]), ([7, 8, 0], ["a", "c"]),
+])
+def test_overload_filter(in_flight, kept) -> None:
+    candidates = [cand(name, in_flight=n) for name, n in zip("abc", in_flight)]
+    assert [c.replica for c in OverloadFilter(8).filter(REQ, candidates)] == kept
+
+
+def test_max_score_picker_breaks_near_ties_at_random_and_keeps_the_rest_in_order() -> None:
+    candidates = [cand("a"), cand("b"), cand("c")]
+    firsts = {MaxScorePicker(0.05, random.Random(seed)).rank(candidates, [1.0, 0.97, 0.5])[0].replica
+              for seed in range(20)}
+    assert firsts == {A, B}
+    ranked = MaxScorePicker(0.05, random.Random(0)).rank(candidates, [1.0, 0.97, 0.5])
+    assert ranked[2].replica == C
+    assert [c.replica for c in MaxScorePicker(0.0).rank(candidates, [0.2, 0.9, 0.5])] == [B, C, A]
+
+
+def test_round_robin_picker_turns_by_replica_id() -> None:
+    picker = RoundRobinPicker()
+    candidates = [cand("c"), cand("a"), cand("b")]
+    firsts = [picker.rank(candidates, [0, 0, 0])[0].replica for _ in range(4)]
+    assert firsts == [A, B, C, A]
+
+
+@pytest.mark.parametrize(("policy", "candidates", "first"), [
+    # kv_aware: affinity when the holder is not busy ...
+    ("kv_aware", [cand("a", cached_tokens=1536, queued_prefill_tokens=1000), cand("b")], A),
+    # ... load when it is.
+    ("kv_aware", [cand("a", cached_tokens=1536, queued_prefill_tokens=3000), cand("b")], B),
+    # a hot prefix on a replica at max_in_flight goes elsewhere, however much is cached there
+    ("kv_aware", [cand("a", cached_tokens=2048, in_flight=64), cand("b", queued_prefill_tokens=9000)], B),
+    # prefix_approx: 0.75 affinity vs 0.5 * queue
+    ("prefix_approx", [cand("a", approx_cached_tokens=1536, in_flight=6), cand("b", in_flight=2)], A),
+    ("prefix_approx", [cand("a", approx_cached_tokens=256, in_flight=6), cand("b", in_flight=2)], B),
+])
+def test_policies_pick(policy, candidates, first) -> None:
+    picked = build_policy(policy, rng=random.Random(1)).rank(REQ, candidates)
+    assert picked.ranked[0].replica == first
+    assert {c.replica for c in picked.ranked} == {c.replica for c in candidates}
+
+
+def test_weights_replace_the_policy_defaults_and_unknown_names_are_refused() -> None:
+    policy = build_policy("kv_aware", {"kv_usage": 1.0}, rng=random.Random(1))
+    ranked = policy.rank(REQ, [cand("a", cached_tokens=2048, kv_usage=0.9), cand("b")]).ranked
+    assert ranked[0].replica == B
+    with pytest.raises(ValueError, match="unknown scorer"):
+        build_policy("kv_aware", {"bogus": 1.0})
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        build_policy("fastest")
