@@ -213,6 +213,7 @@ class Gateway:
         headers = {"x-tokenfab-replica": head.replica_id}
         if not head.streaming:
             payload = await self._next(replies)
+            await _close(replies)  # done: let the router count the request as finished
             return Response(payload, head.status, headers, media_type="application/json")
         return StreamingResponse(self._relay(replies), headers=headers,
                                  media_type="text/event-stream")

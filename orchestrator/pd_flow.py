@@ -97,6 +97,8 @@ class PDFlow:
         leg = handle.options(stream=True).reply.remote(endpoint, prefill_body(body), route=key)
         try:
             head, payload = await asyncio.wait_for(_two_items(leg), self._spec.prefill_timeout_s)
+            if self._routers is not None and head.status == 200:
+                self._routers.first_token(pool, key)  # its one token marks the prefill's end
         except asyncio.TimeoutError:
             self.metrics.fallback("prefill_timeout")
             return None

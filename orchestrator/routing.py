@@ -106,21 +106,26 @@ class PoolRouters:
         salt = body.get("cache_salt")
         return service.route_key(uuid.uuid4().hex, tokens, salt if isinstance(salt, str) else None)
 
+    def first_token(self, pool: str, key: RouteKey | None) -> None:
+        if key is not None and pool in self.services:
+            self.services[pool].first_token(key.request_id)
+
     def finished(self, pool: str, key: RouteKey | None) -> None:
         if key is not None and pool in self.services:
             self.services[pool].finished(key.request_id)
 
     async def tracked(self, pool: str, key: RouteKey | None,
                       replies: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Pass a reply stream through, telling the router when the first token and the end
-        came back (the item after the reply head carries the first token)."""
-        service = self.services.get(pool)
+        """Pass a reply stream through, telling the router when the first token came back (the
+        first event of a streamed reply) and when the request ended."""
         try:
-            seen = 0
+            streaming, seen = False, 0
             async for item in replies:
                 seen += 1
-                if seen == 2 and service is not None and key is not None:
-                    service.first_token(key.request_id)
+                if seen == 1:
+                    streaming = bool(getattr(item, "streaming", False))
+                elif seen == 2 and streaming:
+                    self.first_token(pool, key)
                 yield item
         finally:
             self.finished(pool, key)

@@ -5,6 +5,7 @@ Used outside the engines, where a decision depends on prompt length (prefill/dec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -24,7 +25,8 @@ class PromptTokenCounter:
                 return None
             ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            # transformers 5 returns a BatchEncoding (a mapping, not a dict); 4 returned a list
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return self._tokenizer(prompt).input_ids

@@ -29,7 +29,7 @@ class LoadTracker:
     """Not thread-safe: the routing service calls it under its lock."""
 
     def __init__(self, prior_tokens_per_s: float = 4000.0, smoothing: float = 0.2,
-                 min_sample_tokens: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
+                 min_sample_tokens: int = 512, clock: Callable[[], float] = time.monotonic) -> None:
         self._prior, self._alpha, self._min_sample = prior_tokens_per_s, smoothing, min_sample_tokens
         self._clock = clock
         self._requests: dict[str, _InFlight] = {}
@@ -54,7 +54,9 @@ class LoadTracker:
 
         The throughput sample is the work that had to be done before this first token (queued
         ahead plus its own) over the time it took. Example: 1,500 tokens ahead, 500 own, first
-        token after 0.5 s -> 4,000 tokens/s, blended into the replica's average.
+        token after 0.5 s -> 4,000 tokens/s, blended into the replica's average. Requests with
+        less than `min_sample_tokens` of work are not samples: their time is mostly fixed
+        overhead (the hops, one engine step), which would make a replica look slow.
         """
         request = self._requests.get(request_id)
         if request is None or request.prefilled:
@@ -69,7 +71,8 @@ class LoadTracker:
                 (1 - self._alpha) * old + self._alpha * sample
 
     def finished(self, request_id: str) -> None:
-        self.first_token(request_id)
+        """The request ended. Without a first_token before (a non-streamed reply), its time says
+        nothing about prefill speed and is not a sample."""
         self._drop(request_id)
 
     def _drop(self, request_id: str) -> None:
@@ -87,7 +90,16 @@ class LoadTracker:
         return self._in_flight.get(replica, 0)
 
     def prefill_tokens_per_s(self, replica: ReplicaId) -> float:
-        return self._rate.get(replica, self._prior)
+        """The replica's measured rate; before its first sample, the mean of its pool peers'
+        (same hardware by construction), or the configured prior when none is measured yet.
+
+        Without this, a replica measured faster than the prior would take every request and its
+        idle peer would never be measured.
+        """
+        rate = self._rate.get(replica)
+        if rate is not None:
+            return rate
+        return sum(self._rate.values()) / len(self._rate) if self._rate else self._prior
 
     def forget(self, replica: ReplicaId) -> None:
         """The replica is gone: its requests will end with errors; stop counting them."""

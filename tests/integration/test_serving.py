@@ -339,7 +339,7 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(deployment: Deployment,
 
 
 def test_evicted_blocks_leave_the_map(deployment: Deployment, http: httpx.Client) -> None:
-    """64 MiB of KV cache per replica holds 256 blocks: 40 new 1,900-token prompts evict an
+    """64 MiB of KV cache per replica holds 256 blocks: 40 new 1,800-token prompts evict an
     earlier prefix; the map, fed by BlockRemoved events, stops claiming it, and the engine
     agrees (no cached tokens when it comes back)."""
     prefix = _long_prompt("evictme", 320)
@@ -357,7 +357,7 @@ def test_evicted_blocks_leave_the_map(deployment: Deployment, http: httpx.Client
         async with httpx.AsyncClient(base_url=deployment.base_url, timeout=300,
                                      trust_env=False) as client:
             replies = await asyncio.gather(*[client.post("/completions", json={
-                "model": MODEL, "prompt": _long_prompt(f"flood{i}x", 450), "max_tokens": 1})
+                "model": MODEL, "prompt": _long_prompt(f"flood{i}x", 300), "max_tokens": 1})
                 for i in range(40)])
         return [r.status_code for r in replies]
 

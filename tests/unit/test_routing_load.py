@@ -21,7 +21,7 @@ class Clock:
 
 def test_queued_work_in_flight_and_measured_throughput() -> None:
     clock = Clock()
-    tracker = LoadTracker(prior_tokens_per_s=1000.0, smoothing=0.5, clock=clock)
+    tracker = LoadTracker(prior_tokens_per_s=1000.0, smoothing=0.5, min_sample_tokens=64, clock=clock)
     assert tracker.prefill_tokens_per_s(A) == 1000.0
     tracker.dispatched("r1", A, 1500)
     tracker.dispatched("r2", A, 500)
@@ -30,9 +30,15 @@ def test_queued_work_in_flight_and_measured_throughput() -> None:
     tracker.first_token("r2")  # 1,500 ahead + 500 own in 0.5 s = 4,000 tokens/s
     assert tracker.prefill_tokens_per_s(A) == 4000.0
     assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A)) == (1500, 2)
+    assert tracker.prefill_tokens_per_s(B) == 4000.0  # unmeasured: its measured peers' mean
     clock.now = 1.5
-    tracker.finished("r1")  # a first token implied by the end: 1,500 in 1.5 s = 1,000 tokens/s
+    tracker.first_token("r1")  # 1,500 in 1.5 s = 1,000 tokens/s
     assert tracker.prefill_tokens_per_s(A) == pytest.approx(2500.0)  # 0.5 * 4000 + 0.5 * 1000
+    tracker.finished("r1")
+    tracker.dispatched("r3", A, 800)
+    clock.now = 9.0
+    tracker.finished("r3")  # ended without a first token (not streamed): not a sample
+    assert tracker.prefill_tokens_per_s(A) == pytest.approx(2500.0)
     tracker.finished("r2")
     tracker.finished("r2")  # idempotent
     assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A)) == (0, 0)

@@ -1,0 +1,138 @@
+"""What a routing decision and the block map cost, at cluster scale, on one core.
+
+Builds a block map of about 1M (block, replica) pairs over 256 replicas (2,000 documents of 512
+blocks of 16 tokens = 8k tokens each; 100 shared system prompts of 128 blocks at the head of the
+documents, so popular blocks have many holders), then times:
+- a kv_aware decision for an 8k-token request over all 256 replicas (prefix lookup, candidate
+  snapshots, scoring, ranking), excluding tokenisation;
+- tokenisation plus vLLM block hashing of an 8k-token prompt (the gateway's part);
+- ingest: decoding vLLM-format KVEventBatch payloads (BlockStored with token ids) and applying
+  them to the map, blocks per second on one core.
+
+    .venv/bin/python benchmarks/router_cost.py
+
+Writes benchmarks/results/router_cost.json and router_cost.md; prints each number against its
+target (decision p99 < 1 ms, ingest > 500k blocks/s) as a ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from orchestrator.config import load_topology
+from pools.block_hasher import VllmBlockHasher
+from pools.tokenizer import PromptTokenCounter
+from router.events import BlockStored, KVEventBatch, decode_batch
+from router.index import KVBlockIndex, ReplicaId
+from router.policies import build_policy
+from router.service import RoutingService
+from router.wire import ReplicaView, RouteKey
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+REPLICAS, DOCS, DOC_BLOCKS, SYSTEMS, SYSTEM_BLOCKS, BLOCK = 256, 2000, 512, 100, 128, 16
+TARGET_DECISION_P99_MS, TARGET_INGEST = 1.0, 500_000
+
+
+def build_map(rng: random.Random) -> tuple[RoutingService, list[list[bytes]], list[ReplicaId]]:
+    replicas = [ReplicaId(f"replica-{i:03d}") for i in range(REPLICAS)]
+    views = [ReplicaView(replica=r, pool="main", block_size=BLOCK) for r in replicas]
+    service = RoutingService("main", build_policy("kv_aware", rng=rng), lambda: views,
+                             VllmBlockHasher, max_index_entries=2_000_000)
+    service._views = {v.replica: v for v in views}  # as the follower thread would set them
+    systems = [[rng.randbytes(32) for _ in range(SYSTEM_BLOCKS)] for _ in range(SYSTEMS)]
+    docs = []
+    for _ in range(DOCS):
+        doc = rng.choice(systems) + [rng.randbytes(32) for _ in range(DOC_BLOCKS - SYSTEM_BLOCKS)]
+        service._index.add(rng.choice(replicas), doc, "GPU")
+        docs.append(doc)
+    return service, docs, replicas
+
+
+def time_decisions(service: RoutingService, docs: list[list[bytes]], replicas: list[ReplicaId],
+                   rng: random.Random, count: int = 3000) -> np.ndarray:
+    samples = []
+    for i in range(count):
+        doc = rng.choice(docs)
+        shared = rng.randrange(SYSTEM_BLOCKS, DOC_BLOCKS)
+        hashes = doc[:shared] + [rng.randbytes(32) for _ in range(DOC_BLOCKS - shared)]
+        key = RouteKey(f"r{i}", DOC_BLOCKS * BLOCK, BLOCK, hashes)
+        started = time.perf_counter()
+        service.rank(key, replicas)
+        samples.append(time.perf_counter() - started)
+        service.finished(key.request_id)
+    return np.array(samples) * 1000
+
+
+def time_tokenize_hash(model_path: str, count: int = 30) -> np.ndarray:
+    counter, hasher = PromptTokenCounter(model_path), VllmBlockHasher(BLOCK)
+    words = "the quick brown fox jumps over a lazy dog while seven green parrots sing".split()
+    text = " ".join(words[i % len(words)] + str(i % 97) for i in range(6000))
+    tokens = counter.tokens("completions", {"prompt": text})
+    text = counter._tokenizer.decode(tokens[:8192], skip_special_tokens=True)
+    samples = []
+    for _ in range(count):
+        started = time.perf_counter()
+        ids = counter.tokens("completions", {"prompt": text})
+        hasher.block_hashes(ids)
+        samples.append(time.perf_counter() - started)
+    print(f"tokenise+hash prompt: {len(ids)} tokens")
+    return np.array(samples) * 1000
+
+
+def ingest_rate(rng: random.Random, batches: int = 4000, blocks_per_event: int = 32) -> float:
+    encoder = msgspec.msgpack.Encoder()
+    payloads = []
+    for _ in range(batches):
+        hashes = [rng.randbytes(32) for _ in range(blocks_per_event)]
+        event = BlockStored(block_hashes=hashes, parent_block_hash=None,
+                            token_ids=[rng.randrange(32000) for _ in range(blocks_per_event * BLOCK)],
+                            block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None)
+        payloads.append(encoder.encode(KVEventBatch(ts=time.time(), events=[event])))
+    index = KVBlockIndex(max_entries=10_000_000)
+    replicas = [ReplicaId(f"replica-{i:03d}") for i in range(REPLICAS)]
+    started = time.perf_counter()
+    for i, payload in enumerate(payloads):
+        index.apply(replicas[i % REPLICAS], decode_batch(payload))
+    return batches * blocks_per_event / (time.perf_counter() - started)
+
+
+def main() -> None:
+    rng = random.Random(0)
+    service, docs, replicas = build_map(rng)
+    entries = len(service._index)
+    print(f"block map: {entries} (block, replica) pairs over {REPLICAS} replicas")
+    decisions = time_decisions(service, docs, replicas, rng)
+    model_path = load_topology(ROOT / "deploy/topologies/local.yaml").model.resolved_path
+    tokenize = time_tokenize_hash(model_path)
+    ingest = ingest_rate(rng)
+    result = {"decision_p50_ms": float(np.percentile(decisions, 50)),
+              "decision_p99_ms": float(np.percentile(decisions, 99)),
+              "tokenize_hash_p50_ms": float(np.percentile(tokenize, 50)),
+              "ingest_blocks_per_s": ingest, "index_entries": entries, "replicas": REPLICAS,
+              "prompt_tokens": DOC_BLOCKS * BLOCK}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "router_cost.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / "router_cost.md").write_text(
+        "# Router cost\n\n`python benchmarks/router_cost.py` (one core of this machine): "
+        f"{entries:,} (block, replica) pairs over {REPLICAS} replicas, 8,192-token requests "
+        f"(512 blocks of {BLOCK}).\n\n| measure | value | target | target / value |\n|---|---:|---:|---:|\n"
+        f"| decision p50 (ms) | {result['decision_p50_ms']:.3f} | | |\n"
+        f"| decision p99 (ms) | {result['decision_p99_ms']:.3f} | < {TARGET_DECISION_P99_MS} | "
+        f"{TARGET_DECISION_P99_MS / result['decision_p99_ms']:.1f}x |\n"
+        f"| tokenise + hash p50 (ms) | {result['tokenize_hash_p50_ms']:.2f} | | |\n"
+        f"| event ingest (blocks/s) | {ingest:,.0f} | > {TARGET_INGEST:,} | "
+        f"{ingest / TARGET_INGEST:.1f}x |\n")
+    print(json.dumps(result, indent=2))
+    print(f"decision p99 vs 1 ms target: {TARGET_DECISION_P99_MS / result['decision_p99_ms']:.1f}x "
+          f"headroom; ingest vs 500k/s target: {ingest / TARGET_INGEST:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
