@@ -78,9 +78,20 @@ class KVBlockIndex:
         alive: set[ReplicaId] | None = None
         for depth, block in enumerate(hashes):
             holders = self._holders.get(block)
-            alive = set(holders or ()) if alive is None else alive & set(holders or ())
-            if not alive:
+            if not holders:
                 break
+            if alive is None:
+                alive = set(holders)
+            elif len(alive) == 1:  # the common tail: one replica left, no set building
+                (replica,) = alive
+                if replica not in holders:
+                    break
+                matched[replica] = depth + 1
+                continue
+            else:
+                alive.intersection_update(holders)
+                if not alive:
+                    break
             for replica in alive:
                 matched[replica] = depth + 1
         return matched

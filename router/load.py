@@ -89,9 +89,10 @@ class LoadTracker:
     def in_flight(self, replica: ReplicaId) -> int:
         return self._in_flight.get(replica, 0)
 
-    def prefill_tokens_per_s(self, replica: ReplicaId) -> float:
+    def prefill_tokens_per_s(self, replica: ReplicaId, unmeasured: float | None = None) -> float:
         """The replica's measured rate; before its first sample, the mean of its pool peers'
         (same hardware by construction), or the configured prior when none is measured yet.
+        Pass `unmeasured_rate()` as `unmeasured` when asking for many replicas at once.
 
         Without this, a replica measured faster than the prior would take every request and its
         idle peer would never be measured.
@@ -99,6 +100,9 @@ class LoadTracker:
         rate = self._rate.get(replica)
         if rate is not None:
             return rate
+        return self.unmeasured_rate() if unmeasured is None else unmeasured
+
+    def unmeasured_rate(self) -> float:
         return sum(self._rate.values()) / len(self._rate) if self._rate else self._prior
 
     def forget(self, replica: ReplicaId) -> None:

@@ -54,7 +54,8 @@ class Policy:
             for i, value in enumerate(self._scorers[scorer].score(request, kept)):
                 totals[i] += weight * min(1.0, max(0.0, value))
         ranked = self.picker.rank(kept, totals)
-        dropped = [c for c in candidates if c not in kept]
+        kept_ids = {c.replica for c in kept}
+        dropped = [c for c in candidates if c.replica not in kept_ids]
         return Scored(ranked + dropped, {c.replica: totals[i] for i, c in enumerate(kept)})
 
 

@@ -115,21 +115,25 @@ class RoutingService:
                 self._metrics.predicted_cached.labels(self.pool).inc(cached)
 
     def _candidates(self, key: RouteKey | None, replicas: Sequence[ReplicaId]) -> list[Candidate]:
-        held = self._index.longest_prefix(key.block_hashes) if key else {}
+        """Snapshots of `replicas` for this request (a hot path: ~1 us per replica)."""
+        hashes = key.block_hashes if key else []
+        block, prompt = (key.block_size, key.prompt_tokens) if key else (0, 0)
+        held = self._index.longest_prefix(hashes) if hashes else {}
+        approx = "approx_prefix" in self.policy.weights and bool(hashes)
+        tracker, views, history = self._tracker, self._views, self._history
+        unmeasured = tracker.unmeasured_rate()
         out = []
         for replica in replicas:
-            view = self._views.get(replica)
-            cached = held.get(replica, 0) * key.block_size if key else 0
-            approx = self._history.cached_blocks(replica, key.block_hashes) * key.block_size \
-                if key else 0
+            view = views.get(replica)
             out.append(Candidate(
                 replica=replica,
-                cached_tokens=min(cached, key.prompt_tokens) if key else 0,
-                approx_cached_tokens=min(approx, key.prompt_tokens) if key else 0,
-                queued_prefill_tokens=self._tracker.queued_prefill_tokens(replica),
-                in_flight=max(self._tracker.in_flight(replica), view.in_flight if view else 0),
+                cached_tokens=min(held.get(replica, 0) * block, prompt),
+                approx_cached_tokens=min(history.cached_blocks(replica, hashes) * block, prompt)
+                if approx else 0,
+                queued_prefill_tokens=tracker.queued_prefill_tokens(replica),
+                in_flight=max(tracker.in_flight(replica), view.in_flight if view else 0),
                 kv_usage=view.kv_usage if view else 0.0,
-                prefill_tokens_per_s=self._tracker.prefill_tokens_per_s(replica),
+                prefill_tokens_per_s=tracker.prefill_tokens_per_s(replica, unmeasured),
             ))
         return out
 
