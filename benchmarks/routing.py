@@ -106,22 +106,24 @@ class Prompts:
 
 
 async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list) -> None:
-    sent, first, usage, status = time.monotonic(), None, {}, 0
+    sent, first, usage, status, error, replica = time.monotonic(), None, {}, 0, "", ""
     try:
         async with client.stream("POST", "/completions", json=body) as response:
-            status = response.status_code
+            status, replica = response.status_code, response.headers.get("x-tokenfab-replica", "")
+            if status != 200:
+                error = (await response.aread()).decode()[:300]
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
-                if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                if first is None and chunk.get("choices"):  # the first token (its text may be "")
                     first = time.monotonic()
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-    except httpx.HTTPError:
-        status = 599
-    out.append({"sent": sent, "ttft": (first - sent) if first else None,
-                "done": time.monotonic(), "status": status, "usage": usage})
+    except httpx.HTTPError as exc:
+        status, error = 599, repr(exc)
+    out.append({"sent": sent, "ttft": (first - sent) if first else None, "replica": replica,
+                "done": time.monotonic(), "status": status, "usage": usage, "error": error})
 
 
 async def replay(base_url: str, requests: list[dict[str, Any]], prompts: Prompts,
@@ -231,6 +233,7 @@ def main() -> None:
     parser.add_argument("--kv-cache", default="24MiB")
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--out", default=str(RESULTS / "routing.json"))
+    parser.add_argument("--raw", default="", help="directory for per-request records")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     requests = sample_trace()
@@ -247,6 +250,10 @@ def main() -> None:
             for namespace, rate in enumerate(rates):
                 results = asyncio.run(replay(base, requests, Prompts(words, namespace + 1), rate))
                 result["records"].append(summarize(policy, rate, results))
+                if args.raw:
+                    raw = Path(args.raw) / f"{policy}-{rate:g}.json"
+                    raw.parent.mkdir(parents=True, exist_ok=True)
+                    raw.write_text(json.dumps(results))
                 print(json.dumps(result["records"][-1]))
             remove(spec)
     finally:

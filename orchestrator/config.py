@@ -159,11 +159,11 @@ class RouterSpec(_Strict):
     tie_tolerance: float = Field(
         0.05, ge=0, lt=1, description="Replicas scoring within this fraction of the best are "
         "picked at random among themselves.")
-    in_flight_cost_tokens: int = Field(
-        128, ge=0, description="kv_aware: each request in flight on a replica counts as this many "
-        "prompt tokens of work ahead of a new request (decode steps slow prefill beside them).")
+    in_flight_cost_tokens: float = Field(
+        128.0, ge=0, description="kv_aware prior, until fitted from observed first tokens: each "
+        "request in flight on a replica counts as this many prompt tokens of work ahead.")
     prefill_tokens_per_s: float = Field(
-        4000.0, gt=0, description="Prefill throughput assumed for a replica until measured.")
+        4000.0, gt=0, description="kv_aware prior, until fitted: prefill throughput of a replica.")
     history_ttl_s: float = Field(
         300.0, gt=0, description="prefix_approx: how long a dispatched prefix counts as cached.")
     max_index_entries: int = Field(

@@ -74,8 +74,7 @@ class PoolRouters:
             service = RoutingService(
                 pool.name,
                 build_policy(policy, spec.weights, max_in_flight=spec.max_in_flight,
-                             tolerance=spec.tie_tolerance,
-                             in_flight_cost_tokens=spec.in_flight_cost_tokens),
+                             tolerance=spec.tie_tolerance),
                 registry_source(topology.name), _hasher_factory(hash_algo), metrics,
                 max_index_entries=spec.max_index_entries, history_ttl_s=spec.history_ttl_s,
                 prior_tokens_per_s=spec.prefill_tokens_per_s,

@@ -1,8 +1,8 @@
 """This router's own view of the load it put on each replica, and what it recently sent where.
 
 Requests are tracked from dispatch to first token (their prompt is queued prefill work) and to the
-end (they are in flight). The time from dispatch to first token, against the prefill work that
-was queued ahead plus the request's own, gives each replica's prefill throughput, measured online.
+end (they are in flight). Each streamed first token is a sample of the pool's TTFT model
+(router/ttft_model.py): the prefill work that was ahead of it, the requests beside it, the time.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from router.events import EngineBlockHash
 from router.index import ReplicaId
+from router.ttft_model import TTFTModel, TTFTParams
 
 
 @dataclass
@@ -21,6 +22,7 @@ class _InFlight:
     replica: ReplicaId
     prefill_tokens: int  # uncached prompt tokens, predicted at dispatch
     work_ahead: int  # prefill tokens queued on the replica at dispatch, this one included
+    busy: int  # requests already in flight on the replica at dispatch
     dispatched_at: float
     prefilled: bool = False
 
@@ -28,14 +30,13 @@ class _InFlight:
 class LoadTracker:
     """Not thread-safe: the routing service calls it under its lock."""
 
-    def __init__(self, prior_tokens_per_s: float = 4000.0, smoothing: float = 0.2,
-                 min_sample_tokens: int = 512, clock: Callable[[], float] = time.monotonic) -> None:
-        self._prior, self._alpha, self._min_sample = prior_tokens_per_s, smoothing, min_sample_tokens
+    def __init__(self, model: TTFTModel | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model = model or TTFTModel()
         self._clock = clock
         self._requests: dict[str, _InFlight] = {}
         self._queued: dict[ReplicaId, int] = {}
         self._in_flight: dict[ReplicaId, int] = {}
-        self._rate: dict[ReplicaId, float] = {}
 
     def dispatched(self, request_id: str, replica: ReplicaId, prefill_tokens: int) -> None:
         """Count the request on `replica` (moving it there if it was counted elsewhere)."""
@@ -45,18 +46,17 @@ class LoadTracker:
                 return
             self._drop(request_id)
         queued = self._queued.get(replica, 0) + prefill_tokens
-        self._requests[request_id] = _InFlight(replica, prefill_tokens, queued, self._clock())
+        busy = self._in_flight.get(replica, 0)
+        self._requests[request_id] = _InFlight(replica, prefill_tokens, queued, busy, self._clock())
         self._queued[replica] = queued
-        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+        self._in_flight[replica] = busy + 1
 
     def first_token(self, request_id: str) -> None:
-        """The replica answered the request's first token: its prompt is no longer queued.
+        """The replica streamed the request's first token: its prompt is no longer queued, and
+        the time it took is a sample of the TTFT model.
 
-        The throughput sample is the work that had to be done before this first token (queued
-        ahead plus its own) over the time it took. Example: 1,500 tokens ahead, 500 own, first
-        token after 0.5 s -> 4,000 tokens/s, blended into the replica's average. Requests with
-        less than `min_sample_tokens` of work are not samples: their time is mostly fixed
-        overhead (the hops, one engine step), which would make a replica look slow.
+        Example: 1,500 tokens were queued ahead, 500 are its own, 2 requests were running there,
+        the first token came 0.5 s after dispatch -> sample (work 2,000, busy 2, 0.5 s).
         """
         request = self._requests.get(request_id)
         if request is None or request.prefilled:
@@ -64,11 +64,7 @@ class LoadTracker:
         request.prefilled = True
         self._queued[request.replica] -= request.prefill_tokens
         elapsed = self._clock() - request.dispatched_at
-        if request.work_ahead >= self._min_sample and elapsed > 0:
-            sample = request.work_ahead / elapsed
-            old = self._rate.get(request.replica)
-            self._rate[request.replica] = sample if old is None else \
-                (1 - self._alpha) * old + self._alpha * sample
+        self.model.observe(request.replica, request.work_ahead, request.busy, elapsed)
 
     def finished(self, request_id: str) -> None:
         """The request ended. Without a first_token before (a non-streamed reply), its time says
@@ -89,28 +85,16 @@ class LoadTracker:
     def in_flight(self, replica: ReplicaId) -> int:
         return self._in_flight.get(replica, 0)
 
-    def prefill_tokens_per_s(self, replica: ReplicaId, unmeasured: float | None = None) -> float:
-        """The replica's measured rate; before its first sample, the mean of its pool peers'
-        (same hardware by construction), or the configured prior when none is measured yet.
-        Pass `unmeasured_rate()` as `unmeasured` when asking for many replicas at once.
-
-        Without this, a replica measured faster than the prior would take every request and its
-        idle peer would never be measured.
-        """
-        rate = self._rate.get(replica)
-        if rate is not None:
-            return rate
-        return self.unmeasured_rate() if unmeasured is None else unmeasured
-
-    def unmeasured_rate(self) -> float:
-        return sum(self._rate.values()) / len(self._rate) if self._rate else self._prior
+    def ttft_params(self, replica: ReplicaId) -> TTFTParams:
+        return self.model.params(replica)
 
     def forget(self, replica: ReplicaId) -> None:
         """The replica is gone: its requests will end with errors; stop counting them."""
         for request_id in [k for k, r in self._requests.items() if r.replica == replica]:
             del self._requests[request_id]
-        for table in (self._queued, self._in_flight, self._rate):
+        for table in (self._queued, self._in_flight):
             table.pop(replica, None)
+        self.model.forget(replica)
 
 
 class DispatchHistory:

@@ -27,8 +27,8 @@ class Candidate(msgspec.Struct, frozen=True):
 
     `cached_tokens` comes from the global KV block map (engine events); `approx_cached_tokens`
     from this router's own past decisions. `queued_prefill_tokens` is prompt work already sent to
-    the replica and not yet answered with a first token; `prefill_tokens_per_s` is the replica's
-    prefill throughput measured online.
+    the replica and not yet answered with a first token. The last three fields are the replica's
+    TTFT model, fitted online (router/ttft_model.py).
     """
 
     replica: ReplicaId
@@ -38,21 +38,24 @@ class Candidate(msgspec.Struct, frozen=True):
     in_flight: int = 0
     kv_usage: float = 0.0
     prefill_tokens_per_s: float = 4000.0
+    in_flight_cost_tokens: float = 128.0
+    overhead_s: float = 0.0
 
     def uncached_tokens(self, request: RouteRequest) -> int:
         return max(0, request.prompt_tokens - self.cached_tokens)
 
-    def estimated_ttft_s(self, request: RouteRequest, in_flight_cost_tokens: int = 0) -> float:
-        """Work ahead of the request plus its own uncached prefill, at the replica's measured
-        prefill throughput. Work ahead is the prefill queued there plus, for each request in
-        flight, `in_flight_cost_tokens` (its decode steps slow every prefill step beside them).
+    def estimated_ttft_s(self, request: RouteRequest) -> float:
+        """Fixed overhead, plus the work ahead of the request and its own uncached prefill at the
+        replica's prefill throughput. Work ahead is the prefill queued there plus, for each
+        request in flight, `in_flight_cost_tokens` (its decode steps slow the prefill beside it).
 
         Example: 3,000 tokens queued, 2 requests in flight at 128 tokens each, a 2,048-token
-        prompt with 1,536 cached, 4,000 tokens/s: (3,000 + 256 + 512) / 4,000 = 0.942 s.
+        prompt with 1,536 cached, 4,000 tokens/s, no overhead: (3,000 + 256 + 512) / 4,000 =
+        0.942 s.
         """
-        work = (self.queued_prefill_tokens + self.in_flight * in_flight_cost_tokens
+        work = (self.queued_prefill_tokens + self.in_flight * self.in_flight_cost_tokens
                 + self.uncached_tokens(request))
-        return work / max(self.prefill_tokens_per_s, 1.0)
+        return self.overhead_s + work / max(self.prefill_tokens_per_s, 1.0)
 
 
 class Filter(Protocol):

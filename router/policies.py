@@ -60,7 +60,7 @@ class Policy:
 
 
 def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
-                 max_in_flight: int = 64, tolerance: float = 0.05, in_flight_cost_tokens: int = 128,
+                 max_in_flight: int = 64, tolerance: float = 0.05,
                  rng: random.Random | None = None) -> Policy:
     """The policy called `name` in a topology file, with optional scorer weights."""
     if name not in DEFAULT_WEIGHTS:
@@ -68,5 +68,4 @@ def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
     if name == "round_robin":
         return Policy(name, [], {}, RoundRobinPicker())
     chosen = dict(weights) if weights else DEFAULT_WEIGHTS[name]
-    return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng),
-                  {"ttft": {"in_flight_cost_tokens": in_flight_cost_tokens}})
+    return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng))

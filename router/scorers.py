@@ -6,7 +6,7 @@ Formulas, for candidates c and request r (worked examples in each docstring):
   queue          (max_q - c.in_flight) / (max_q - min_q), 1 when all are equal
   kv_usage       1 - c.kv_usage
   ttft           min over candidates of estimated TTFT / c's estimated TTFT, where TTFT is
-                 (queued prefill + in_flight * cost + uncached) / measured prefill tokens/s
+                 overhead + (queued prefill + in_flight * cost + uncached) / prefill tokens/s
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class KVUsageScorer:
 class TTFTScorer:
     """Estimated time to first token (see Candidate.estimated_ttft_s), relative to the best.
 
-    Example (in-flight cost 128 tokens): a 2,048-token prompt at 4,000 tokens/s everywhere; a
+    Example (in-flight cost 128 tokens, no overhead): a 2,048-token prompt at 4,000 tokens/s everywhere; a
     holds 1,536 tokens, has 3,000 queued and 2 in flight (0.942 s), b holds nothing and is idle
     (0.512 s) -> [0.544, 1.0]: the hot replica is busy enough that recomputing on b is faster.
     With only 1,000 queued on a (0.442 s) -> [1.0, 0.863]: affinity wins.
@@ -78,11 +78,8 @@ class TTFTScorer:
 
     name = "ttft"
 
-    def __init__(self, in_flight_cost_tokens: int = 128) -> None:
-        self.in_flight_cost_tokens = in_flight_cost_tokens
-
     def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
-        estimates = [c.estimated_ttft_s(request, self.in_flight_cost_tokens) for c in candidates]
+        estimates = [c.estimated_ttft_s(request) for c in candidates]
         best = min(estimates, default=0.0)
         return [best / estimate if estimate > 0 else 1.0 for estimate in estimates]
 

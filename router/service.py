@@ -24,6 +24,7 @@ from router.load import DispatchHistory, LoadTracker
 from router.metrics import RouterMetrics
 from router.plugins import Candidate, RouteRequest
 from router.policies import Policy
+from router.ttft_model import TTFTModel
 from router.wire import ReplicaView, RouteKey
 
 logger = logging.getLogger(__name__)
@@ -36,14 +37,13 @@ class RoutingService:
                  hasher_factory: Callable[[int], BlockHasher], metrics: RouterMetrics | None = None,
                  *, max_index_entries: int = 10_000_000, refresh_s: float = 1.0,
                  history_ttl_s: float = 300.0, prior_tokens_per_s: float = 4000.0,
-                 in_flight_cost_tokens: int = 128) -> None:
+                 in_flight_cost_tokens: float = 128.0) -> None:
         self.pool, self.policy = pool, policy
-        self._in_flight_cost = in_flight_cost_tokens
         self._source, self._hasher_factory, self._metrics = source, hasher_factory, metrics
         self._refresh_s = refresh_s
         self._lock = threading.Lock()
         self._index = KVBlockIndex(max_index_entries)
-        self._tracker = LoadTracker(prior_tokens_per_s)
+        self._tracker = LoadTracker(TTFTModel(prior_tokens_per_s, in_flight_cost_tokens))
         self._history = DispatchHistory(history_ttl_s)
         self._views: dict[ReplicaId, ReplicaView] = {}
         self._streams: dict[ReplicaId, ReplicaEventStream] = {}
@@ -121,10 +121,10 @@ class RoutingService:
         held = self._index.longest_prefix(hashes) if hashes else {}
         approx = "approx_prefix" in self.policy.weights and bool(hashes)
         tracker, views, history = self._tracker, self._views, self._history
-        unmeasured = tracker.unmeasured_rate()
         out = []
         for replica in replicas:
             view = views.get(replica)
+            model = tracker.ttft_params(replica)
             out.append(Candidate(
                 replica=replica,
                 cached_tokens=min(held.get(replica, 0) * block, prompt),
@@ -133,7 +133,9 @@ class RoutingService:
                 queued_prefill_tokens=tracker.queued_prefill_tokens(replica),
                 in_flight=max(tracker.in_flight(replica), view.in_flight if view else 0),
                 kv_usage=view.kv_usage if view else 0.0,
-                prefill_tokens_per_s=tracker.prefill_tokens_per_s(replica, unmeasured),
+                prefill_tokens_per_s=model.tokens_per_s,
+                in_flight_cost_tokens=model.in_flight_cost_tokens,
+                overhead_s=model.overhead_s,
             ))
         return out
 
@@ -155,7 +157,9 @@ class RoutingService:
                 "approx_cached_tokens": c.approx_cached_tokens,
                 "queued_prefill_tokens": c.queued_prefill_tokens, "in_flight": c.in_flight,
                 "kv_usage": c.kv_usage, "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1),
-                "estimated_ttft_s": round(c.estimated_ttft_s(_request(key), self._in_flight_cost), 6),
+                "in_flight_cost_tokens": round(c.in_flight_cost_tokens, 1),
+                "overhead_s": round(c.overhead_s, 4),
+                "estimated_ttft_s": round(c.estimated_ttft_s(_request(key)), 6),
                 "score": round(scored.scores.get(c.replica, 0.0), 6),
             } for c in candidates],
         }

@@ -3,10 +3,13 @@ dispatch history behind prefix_approx."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from router.index import ReplicaId
 from router.load import DispatchHistory, LoadTracker
+from router.ttft_model import TTFTModel
 
 A, B = ReplicaId("a"), ReplicaId("b")
 
@@ -19,26 +22,34 @@ class Clock:
         return self.now
 
 
-def test_queued_work_in_flight_and_measured_throughput() -> None:
-    clock = Clock()
-    tracker = LoadTracker(prior_tokens_per_s=1000.0, smoothing=0.5, min_sample_tokens=64, clock=clock)
-    assert tracker.prefill_tokens_per_s(A) == 1000.0
+class Recorder(TTFTModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    def observe(self, replica, work_tokens, busy, elapsed_s) -> None:
+        self.seen.append((replica, work_tokens, busy, elapsed_s))
+
+
+def test_queued_work_in_flight_and_first_token_samples() -> None:
+    clock, model = Clock(), Recorder()
+    tracker = LoadTracker(model, clock=clock)
     tracker.dispatched("r1", A, 1500)
     tracker.dispatched("r2", A, 500)
     assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A)) == (2000, 2)
     clock.now = 0.5
-    tracker.first_token("r2")  # 1,500 ahead + 500 own in 0.5 s = 4,000 tokens/s
-    assert tracker.prefill_tokens_per_s(A) == 4000.0
+    tracker.first_token("r2")  # 1,500 ahead + 500 own, beside 1 request, in 0.5 s
+    assert model.seen == [(A, 2000, 1, 0.5)]
     assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A)) == (1500, 2)
-    assert tracker.prefill_tokens_per_s(B) == 4000.0  # unmeasured: its measured peers' mean
     clock.now = 1.5
-    tracker.first_token("r1")  # 1,500 in 1.5 s = 1,000 tokens/s
-    assert tracker.prefill_tokens_per_s(A) == pytest.approx(2500.0)  # 0.5 * 4000 + 0.5 * 1000
+    tracker.first_token("r1")
+    tracker.first_token("r1")  # once only
+    assert model.seen[1:] == [(A, 1500, 0, 1.5)]
     tracker.finished("r1")
     tracker.dispatched("r3", A, 800)
     clock.now = 9.0
     tracker.finished("r3")  # ended without a first token (not streamed): not a sample
-    assert tracker.prefill_tokens_per_s(A) == pytest.approx(2500.0)
+    assert len(model.seen) == 2
     tracker.finished("r2")
     tracker.finished("r2")  # idempotent
     assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A)) == (0, 0)
@@ -55,20 +66,43 @@ def test_a_request_counted_on_its_first_choice_moves_when_placed_elsewhere() -> 
     assert (tracker.queued_prefill_tokens(B), tracker.in_flight(B)) == (200, 1)
     tracker.finished("r1")
     assert (tracker.queued_prefill_tokens(B), tracker.in_flight(B)) == (0, 0)
-
-
-def test_small_samples_do_not_move_the_estimate_and_forget_clears_a_replica() -> None:
-    clock = Clock()
-    tracker = LoadTracker(prior_tokens_per_s=1000.0, min_sample_tokens=64, clock=clock)
-    tracker.dispatched("r1", A, 10)
-    clock.now = 1.0
-    tracker.first_token("r1")
-    assert tracker.prefill_tokens_per_s(A) == 1000.0
-    tracker.dispatched("r2", A, 100)
-    tracker.forget(A)
-    assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A)) == (0, 0)
+    tracker.dispatched("r2", B, 100)
+    tracker.forget(B)
+    assert (tracker.queued_prefill_tokens(B), tracker.in_flight(B)) == (0, 0)
     tracker.finished("r2")  # the request of a forgotten replica ends quietly
-    assert tracker.in_flight(A) == 0
+    assert tracker.in_flight(B) == 0
+
+
+def test_ttft_model_starts_at_the_prior_and_fits_the_observed_law() -> None:
+    model = TTFTModel(prior_tokens_per_s=4000.0, prior_in_flight_cost_tokens=128.0,
+                      prior_overhead_s=0.02)
+    prior = model.params(A)
+    assert (prior.tokens_per_s, prior.in_flight_cost_tokens, prior.overhead_s) == \
+        pytest.approx((4000.0, 128.0, 0.02))
+    rng = random.Random(0)
+    for _ in range(300):  # truth: 30 ms + work / 10,000 tok/s + 50 ms per busy request
+        work, busy = rng.randrange(0, 4000), rng.randrange(0, 6)
+        model.observe(A if rng.random() < 0.5 else B, work, busy, 0.03 + work / 10000 + 0.05 * busy)
+    fitted = model.params(A)
+    assert fitted.tokens_per_s == pytest.approx(10000, rel=0.05)
+    assert fitted.in_flight_cost_tokens == pytest.approx(500, rel=0.05)  # 50 ms at 10k tok/s
+    assert fitted.overhead_s == pytest.approx(0.03, abs=0.005)
+    assert model.speed(A) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_slower_replica_shows_in_its_speed_while_noise_does_not() -> None:
+    model = TTFTModel(prior_tokens_per_s=10000.0, prior_in_flight_cost_tokens=0.0,
+                      prior_overhead_s=0.0)
+    rng = random.Random(1)
+    for _ in range(200):  # b takes twice as long for the same work; a is noisy (+-30%)
+        work = rng.randrange(500, 3000)
+        model.observe(A, work, 0, work / 10000 * rng.uniform(0.7, 1.3))
+        model.observe(B, work, 0, 2 * work / 10000)
+    speed_a, speed_b = model.speed(A), model.speed(B)
+    assert speed_b / speed_a == pytest.approx(2.0, rel=0.15)
+    assert model.params(B).tokens_per_s == pytest.approx(model.params(A).tokens_per_s / (speed_b / speed_a))
+    model.forget(B)
+    assert model.speed(B) == 1.0
 
 
 def test_dispatch_history_prefix_ttl_and_capacity() -> None:

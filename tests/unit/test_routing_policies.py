@@ -39,6 +39,9 @@ def cand(replica: str, **fields) -> Candidate:
                     cand("b")], [0.512 / 0.942, 1.0]),
     # Short prompts, nothing cached: the idle replica beats the one with requests in flight.
     (TTFTScorer(), [cand("a", in_flight=1), cand("b")], [2048 / (2048 + 128), 1.0]),
+    # A fixed overhead shrinks the relative differences: 0.1 s + work.
+    (TTFTScorer(), [cand("a", in_flight=1, overhead_s=0.1), cand("b", overhead_s=0.1)],
+     [(0.1 + 0.512) / (0.1 + 0.544), 1.0]),
     # A replica measured twice as fast halves its estimate.
     (TTFTScorer(), [cand("a", prefill_tokens_per_s=8000.0), cand("b")], [1.0, 0.5]),
 ])

@@ -102,3 +102,27 @@ def test_no_route_key_before_any_replica_reports_a_block_size() -> None:
     service = RoutingService("main", build_policy("round_robin"), lambda: [], VllmBlockHasher)
     assert service.route_key("r", list(range(64))) is None
     assert service.rank(None, [B, A]) in ([A, B], [B, A])
+
+
+def test_two_ingress_replicas_build_the_same_map(publishers) -> None:
+    """Each ingress process runs its own service on the same event streams: same map, same
+    ranking, without talking to each other."""
+    hasher = VllmBlockHasher(BLOCK)
+    prompt = list(range(500, 500 + 3 * BLOCK))
+    views = [view(A, publishers[A]), view(B, publishers[B])]
+    services = [RoutingService("main", build_policy("kv_aware"), lambda: list(views),
+                               VllmBlockHasher, refresh_s=0.1) for _ in range(2)]
+    for service in services:
+        service.start()
+    try:
+        wait_for(lambda: all(len(s.replicas()) == 2 for s in services))
+        time.sleep(0.3)  # both subscriptions reach the publishers
+        store(publishers[A], hasher.block_hashes(prompt)[:1])
+        store(publishers[B], hasher.block_hashes(prompt))
+        wait_for(lambda: all(s.index_entries() == 4 for s in services))
+        keys = [s.route_key(f"r{i}", prompt) for i, s in enumerate(services)]
+        assert [s.explain(k)["ranked"][0] for s, k in zip(services, keys)] == [B, B]
+        assert services[0].replicas() == services[1].replicas()
+    finally:
+        for service in services:
+            service.stop()
