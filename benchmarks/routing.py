@@ -39,7 +39,7 @@ CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6392",
            "dashboard_url": "http://127.0.0.1:8277", "num_cpus": 2}
 
 
-def topology(policy: str, kv_cache: str) -> Topology:
+def topology(policy: str, kv_cache: str, weights: dict[str, float] | None = None) -> Topology:
     return parse_topology({
         "name": f"route-{policy.replace('_', '-')}",
         "model": {"name": "tiny", "path": "~/.cache/tokenfab/models/tiny-llama",
@@ -47,7 +47,7 @@ def topology(policy: str, kv_cache: str) -> Topology:
         "engine_args": {"enforce_eager": True, "block_size": BLOCK_TOKENS},
         "pools": [{"name": "main", "role": "unified", "replicas": 2, "max_ongoing_requests": 256,
                    "resources": {"cpus": 1, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
-        "router": {"policy": policy},
+        "router": {"policy": policy} | ({"weights": weights} if weights else {}),
         "gateway": {"host": "127.0.0.1", "port": 8021},
         "cluster": CLUSTER,
     }, f"routing benchmark ({policy})")
@@ -234,12 +234,16 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--out", default=str(RESULTS / "routing.json"))
     parser.add_argument("--raw", default="", help="directory for per-request records")
+    parser.add_argument("--weights", default="", help='scorer weights for kv_aware/prefix_approx, '
+                        'JSON, e.g. {"ttft": 1, "approx_prefix": 1}')
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     requests = sample_trace()
     if args.limit:
         requests = requests[:args.limit]
-    specs = {p: topology(p, args.kv_cache) for p in args.policies.split(",")}
+    weights = json.loads(args.weights) if args.weights else None
+    specs = {p: topology(p, args.kv_cache, weights if p in ("kv_aware", "prefix_approx") else None)
+             for p in args.policies.split(",")}
     words = single_token_words(next(iter(specs.values())).model.resolved_path)
     result = {"upper_bound_hit_rate": upper_bound_hit_rate(requests), "records": []}
     cluster.start_head(next(iter(specs.values())).cluster)

@@ -17,7 +17,7 @@ from router.scorers import SCORERS, OverloadFilter
 
 # Default scorer weights of each score-based policy; `router.weights` in a topology replaces them.
 DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
-    "kv_aware": {"ttft": 1.0},
+    "kv_aware": {"ttft": 1.0, "approx_prefix": 1.0},
     "prefix_approx": {"approx_prefix": 1.0, "queue": 0.5},
     "round_robin": {},
 }

@@ -397,6 +397,37 @@ def test_restarted_gateway_rebuilds_the_map_from_replay(deployment: Deployment,
     assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_replaced_replica_leaves_the_map_and_its_successor_joins(deployment: Deployment,
+                                                                  http: httpx.Client) -> None:
+    """A replica that dies is replaced by Serve under a new id: the dead one's blocks leave the
+    map (they are gone with its engine), the new one is followed, and requests keep succeeding."""
+    import os
+    import signal
+
+    from orchestrator.cluster import orphaned_engine_processes
+
+    prefix = _long_prompt("doomed", 320)
+    victim = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}
+                       ).headers["x-tokenfab-replica"]
+    _wait(lambda: _router_replicas(deployment).get(victim, {}).get("cached_blocks", 0) > 0, 10,
+          "the victim's blocks in the map")
+    reports = _gateway(deployment, "/tokenfab/replicas")
+    os.kill(next(r["pid"] for r in reports if r["replica_id"] == victim), signal.SIGKILL)
+    time.sleep(2)
+    for pid in orphaned_engine_processes():  # its engine processes, orphaned by the kill
+        os.kill(pid, signal.SIGKILL)
+    _wait(lambda: victim not in _router_replicas(deployment), 30, "the dead replica to leave")
+    assert http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}
+                     ).status_code == 200  # the survivor serves meanwhile
+
+    def successor_followed() -> bool:
+        rows = _json_tail(deployment.tokenfab("status", "--json").stdout)
+        healthy = {row["replica"] for row in rows if row["health"] == "healthy"}
+        return len(healthy) == 2 and healthy == set(_router_replicas(deployment))
+
+    _wait(successor_followed, 240, "a successor replica, followed by the router")
+
+
 def test_scale_down_drains_in_flight_requests(deployment: Deployment) -> None:
     async def scenario() -> tuple[list[httpx.Response], subprocess.CompletedProcess]:
         requests = asyncio.create_task(_concurrent_replicas(deployment.base_url, 6, 500))
