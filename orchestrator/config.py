@@ -142,14 +142,15 @@ class RouterSpec(_Strict):
                     "ray_prefix_affinity"] = Field(
         "kv_aware",
         description="kv_aware: lowest estimated time to first token from the engines' KV events "
-        "and measured prefill throughput. prefix_approx: prefix affinity from the router's own "
+        "and a TTFT model fitted online, with affinity to where the prefix was sent. prefix_approx: prefix affinity from the router's own "
         "past decisions, balanced by queue length. round_robin: in turn. least_loaded: Ray "
         "Serve's power of two choices. ray_prefix_affinity: Ray Serve LLM's "
         "PrefixCacheAffinityRouter (a baseline for benchmarks).",
     )
     weights: dict[str, float] = Field(
         default_factory=dict,
-        description="Scorer weights replacing the policy's defaults (kv_aware: {ttft: 1}; "
+        description="Scorer weights replacing the policy's defaults (kv_aware: {ttft: 1, "
+        "approx_prefix: 1}; "
         "prefix_approx: {approx_prefix: 1, queue: 0.5}). Scorers: prefix, approx_prefix, queue, "
         "kv_usage, ttft.",
     )

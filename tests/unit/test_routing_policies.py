@@ -87,6 +87,12 @@ def test_round_robin_picker_turns_by_replica_id() -> None:
     ("kv_aware", [cand("a", cached_tokens=1536, queued_prefill_tokens=3000), cand("b")], B),
     # a hot prefix on a replica at max_in_flight goes elsewhere, however much is cached there
     ("kv_aware", [cand("a", cached_tokens=2048, in_flight=64), cand("b", queued_prefill_tokens=9000)], B),
+    # kv_aware keeps a conversation where it went unless that replica is about 2x slower (the
+    # README's example): a's estimate 0.9 s vs 0.5 s -> a; 3 s vs 0.5 s -> b
+    ("kv_aware", [cand("a", cached_tokens=1536, approx_cached_tokens=1536,
+                       queued_prefill_tokens=3088), cand("b")], A),
+    ("kv_aware", [cand("a", cached_tokens=1536, approx_cached_tokens=1536,
+                       queued_prefill_tokens=11488), cand("b")], B),
     # prefix_approx: 0.75 affinity vs 0.5 * queue
     ("prefix_approx", [cand("a", approx_cached_tokens=1536, in_flight=6), cand("b", in_flight=2)], A),
     ("prefix_approx", [cand("a", approx_cached_tokens=256, in_flight=6), cand("b", in_flight=2)], B),
