@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from orchestrator import cluster, deploy
-from orchestrator.config import Topology, parse_topology
-from orchestrator.status import gateway_url
+from orchestrator import cluster
+from orchestrator.config import parse_topology
+from harness import deployed, remove
 
 RESULTS = Path(__file__).parent / "results"
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
@@ -151,19 +151,6 @@ def _timed_copy(source: np.ndarray, target: np.ndarray) -> float:
     started = time.perf_counter()
     np.copyto(target, source)
     return time.perf_counter() - started
-
-
-def deployed(topology: Topology) -> str:
-    client = deploy.ServeClient(topology.cluster.dashboard_url)
-    client.deploy(topology)
-    deploy.wait_until_running(client, topology.name, 900, lambda line: print("  ", line))
-    return gateway_url(topology)
-
-
-def remove(topology: Topology) -> None:
-    client = deploy.ServeClient(topology.cluster.dashboard_url)
-    client.delete(topology.name, topology)
-    deploy.wait_until_gone(client, topology.name, 300)
 
 
 def plot(series: dict[str, tuple[list[float], list[float]]], path: Path) -> None:

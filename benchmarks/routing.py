@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from orchestrator import cluster, deploy
+from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
-from orchestrator.status import gateway_url
+from harness import deployed, remove
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -158,19 +158,6 @@ def summarize(policy: str, rate: float, results: list[dict[str, Any]]) -> dict[s
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
             "ttft_p99_s": float(np.percentile(ttft, 99)), "output_tok_s": output / wall,
             "hit_rate": cached / prompt if prompt else 0.0}
-
-
-def deployed(spec: Topology) -> str:
-    client = deploy.ServeClient(spec.cluster.dashboard_url)
-    client.deploy(spec)
-    deploy.wait_until_running(client, spec.name, 900, lambda line: print("  ", line))
-    return gateway_url(spec)
-
-
-def remove(spec: Topology) -> None:
-    client = deploy.ServeClient(spec.cluster.dashboard_url)
-    client.delete(spec.name, spec)
-    deploy.wait_until_gone(client, spec.name, 300)
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:

@@ -201,15 +201,8 @@ def test_kv_events_match_router_block_hashes(deployment: Deployment, http: httpx
 
     from pools.block_hasher import VllmBlockHasher
 
-    rows = _json_tail(deployment.tokenfab("status", "--json").stdout)
     context = zmq.Context()
-    sockets = {}
-    for row in rows:
-        socket = context.socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.connect(row["kv_events_endpoint"])
-        sockets[row["replica"]] = socket
-    time.sleep(0.5)  # let the subscriptions reach the publishers
+    sockets = _subscribe_to_replicas(deployment, context)
     try:
         for salt in (None, "tenant-a"):
             body = {"model": MODEL, "prompt": "kv events " + "stone river " * 200, "max_tokens": 2,
@@ -224,6 +217,20 @@ def test_kv_events_match_router_block_hashes(deployment: Deployment, http: httpx
             assert published[:len(expected)] == expected
     finally:
         context.destroy(linger=0)
+
+
+def _subscribe_to_replicas(deployment: Deployment, context) -> dict:
+    """A SUB socket on each replica's KV event endpoint (from `tokenfab status`), by replica."""
+    import zmq
+
+    sockets = {}
+    for row in _json_tail(deployment.tokenfab("status", "--json").stdout):
+        socket = context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(row["kv_events_endpoint"])
+        sockets[row["replica"]] = socket
+    time.sleep(0.5)  # let the subscriptions reach the publishers
+    return sockets
 
 
 def _json_tail(output: str) -> list[dict]:
@@ -276,15 +283,8 @@ def test_router_hashes_chats_and_prompts_as_the_engine_does(deployment: Deployme
     route with are exactly those the serving engine then publishes in BlockStored events."""
     import zmq
 
-    rows = _json_tail(deployment.tokenfab("status", "--json").stdout)
     context = zmq.Context()
-    sockets = {}
-    for row in rows:
-        socket = context.socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.connect(row["kv_events_endpoint"])
-        sockets[row["replica"]] = socket
-    time.sleep(0.5)
+    sockets = _subscribe_to_replicas(deployment, context)
     cases = [
         ("chat", {"messages": [{"role": "system", "content": _long_prompt("sys", 200)},
                                {"role": "user", "content": "hash me " * 40}]}),
