@@ -48,6 +48,7 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
         gpus=pool.resources.gpus,
         pin_cores=pool.resources.pin_cores,
         kv_events=topology.kv_events.enabled,
+        kv_events_transport=topology.kv_events.transport,
         drain_timeout_s=DRAIN_TIMEOUT_S,
         nixl_progress_delay_us=topology.disaggregation.nixl_progress_delay_us,
     )

@@ -69,6 +69,14 @@ def schema() -> None:
     click.echo(json.dumps(topology_schema(), indent=2))
 
 
+@main.command("chart-schema")
+def chart_schema() -> None:
+    """Print the JSON Schema of the Helm chart's values (deploy/helm/tokenfab/values.schema.json)."""
+    from orchestrator.helm_schema import values_schema
+
+    click.echo(json.dumps(values_schema(), indent=2))
+
+
 @main.group()
 def model() -> None:
     """Generate models that need no download."""

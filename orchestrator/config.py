@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 from orchestrator.errors import TopologyError
 
@@ -48,7 +49,10 @@ def parse_bytes(value: Any) -> int:
     return int(float(number) * _UNITS[unit])
 
 
-ByteSize = Annotated[int, Field(gt=0)]
+# Bytes, or a size such as "512MiB": what editors and Helm's values schema accept too.
+ByteSize = Annotated[int, Field(gt=0), WithJsonSchema({"anyOf": [
+    {"type": "integer", "exclusiveMinimum": 0},
+    {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGTkmgt]i?[Bb]?|[Bb])?\s*$"}]})]
 
 
 class _Strict(BaseModel):
@@ -223,9 +227,9 @@ class KVEventsSpec(_Strict):
     """Publication of each engine's KV cache events (consumed by the KV-aware router)."""
 
     enabled: bool = Field(True, description="Publish KV cache events from every engine.")
-    transport: Literal["ipc"] = Field(
-        "ipc", description="ipc: node-local sockets next to each engine."
-    )
+    transport: Literal["tcp", "ipc"] = Field(
+        "tcp", description="tcp: each replica serves its engine's events on its node's address "
+        "(routers on any node can follow them). ipc: node-local sockets only (single node).")
 
 
 class ClusterSpec(_Strict):

@@ -22,6 +22,7 @@ from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from orchestrator.errors import EngineError
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import Endpoint, EngineSpec, ReplyHead, openai_error
+from pools.kv_events import EventForwarder, KVEventEndpoints, plan_endpoints
 from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
 from router.wire import RouteKey
 
@@ -41,6 +42,7 @@ class ReplicaSettings(msgspec.Struct, frozen=True):
     gpus: int
     pin_cores: bool
     kv_events: bool
+    kv_events_transport: str = "tcp"
     drain_timeout_s: float = 60.0
     nixl_progress_delay_us: int = 0
 
@@ -75,6 +77,7 @@ class PoolReplica:
         self._state = "starting"
         self._engine_start_s = 0.0
         self._in_flight = 0
+        self._kv_events: KVEventEndpoints | None = None
         if settings.kv_events:
             spec = self._with_kv_events(spec)
         spec = self._with_kv_transfer(spec)
@@ -104,11 +107,14 @@ class PoolReplica:
 
     def _with_kv_events(self, spec: EngineSpec) -> EngineSpec:
         SOCKET_DIR.mkdir(parents=True, exist_ok=True)
-        base = SOCKET_DIR / self._replica_id
+        self._kv_events = plan_endpoints(self._settings.kv_events_transport,
+                                         SOCKET_DIR / self._replica_id, self._node_ip)
+        if self._kv_events.public != self._kv_events.engine:
+            EventForwarder(self._kv_events).start()
         return msgspec.structs.replace(
             spec,
-            kv_events_endpoint=f"ipc://{base}.kv",
-            kv_events_replay_endpoint=f"ipc://{base}.replay",
+            kv_events_endpoint=self._kv_events.engine,
+            kv_events_replay_endpoint=self._kv_events.replay,
         )
 
     def _with_kv_transfer(self, spec: EngineSpec) -> EngineSpec:
@@ -167,8 +173,8 @@ class PoolReplica:
             app=self._settings.app, pool=self._settings.pool, role=self._settings.role,
             replica_id=self._replica_id, node_ip=self._node_ip, pid=os.getpid(),
             cores=self._cores.cores if self._cores else [], state=self._state, load=self._load(),
-            kv_events_endpoint=self._spec.kv_events_endpoint,
-            kv_replay_endpoint=self._spec.kv_events_replay_endpoint,
+            kv_events_endpoint=self._kv_events.public if self._kv_events else None,
+            kv_replay_endpoint=self._kv_events.replay if self._kv_events else None,
             block_size=self._engine.block_size, started_s=self._started,
             side_channel=f"{self._side_channel.host}:{self._side_channel.port}"
             if self._side_channel else None,

@@ -1,0 +1,58 @@
+{{- define "tokenfab.fullname" -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tokenfab.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "tokenfab.image" -}}
+{{ printf "%s:%s" .Values.image.repository .Values.image.tag }}
+{{- end -}}
+
+{{/* The roles the topology's pools use, sorted. */}}
+{{- define "tokenfab.roles" -}}
+{{- $roles := list -}}
+{{- range .Values.topology.pools -}}{{- $roles = append $roles .role -}}{{- end -}}
+{{- $roles | uniq | sortAlpha | toJson -}}
+{{- end -}}
+
+{{/*
+The topology Ray Serve runs: the user's, with what Kubernetes decides filled in (the cluster
+section, the gateway's bind address) and each pool's replicas placed on its role's worker group
+through the Ray resource `tokenfab-<role>`. Fails when a pool needs more GPUs than its group's pods
+have.
+*/}}
+{{- define "tokenfab.topology" -}}
+{{- $t := deepCopy .Values.topology -}}
+{{- $pools := list -}}
+{{- range $pool := $t.pools -}}
+{{- $group := index $.Values.workerGroups $pool.role | default dict -}}
+{{- $resources := $pool.resources | default dict -}}
+{{- $need := int ($resources.gpus | default 0) -}}
+{{- $have := int ($group.gpusPerPod | default 0) -}}
+{{- if gt $need $have -}}
+{{- fail (printf "topology.pools[%s] needs %d GPU(s) per replica, but workerGroups.%s.gpusPerPod is %d" $pool.name $need $pool.role $have) -}}
+{{- end -}}
+{{- $placement := dict (printf "tokenfab-%s" $pool.role) 1 -}}
+{{- $_ := set $resources "ray_resources" (merge (deepCopy ($resources.ray_resources | default dict)) $placement) -}}
+{{- $_ := set $resources "pin_cores" false -}}
+{{- $_ := set $pool "resources" $resources -}}
+{{- $pools = append $pools $pool -}}
+{{- end -}}
+{{- $_ := set $t "pools" $pools -}}
+{{- $gateway := $t.gateway | default dict -}}
+{{- $_ := set $gateway "host" "0.0.0.0" -}}
+{{- $_ := set $t "gateway" $gateway -}}
+{{- $head := printf "%s-head-svc" (include "tokenfab.fullname" .) -}}
+{{- $_ := set $t "cluster" (dict "node_ip" nil "address" (printf "%s:6379" $head) "dashboard_url" (printf "http://%s:8265" $head)) -}}
+{{- toYaml $t -}}
+{{- end -}}
+
+{{- define "tokenfab.gatewayPort" -}}
+{{- (.Values.topology.gateway | default dict).port | default 8000 -}}
+{{- end -}}

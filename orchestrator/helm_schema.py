@@ -1,0 +1,77 @@
+"""The JSON Schema of the Helm chart's values (deploy/helm/tokenfab/values.schema.json).
+
+`topology` is checked with the topology files' own schema, so Helm rejects a bad topology with
+the same field names `tokenfab validate` uses; the rest describes the Kubernetes side.
+`tokenfab chart-schema` prints it; a test keeps the committed file equal to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.config import topology_schema
+
+_QUANTITY = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?(m|[KMGTPE]i?)?$"}
+_TOLERATIONS = {"type": "array", "items": {"type": "object"}}
+_NODE_SELECTOR = {"type": "object", "additionalProperties": {"type": "string"}}
+
+WORKER_GROUP = {
+    "type": "object",
+    "description": "Ray worker pods for the pools of one role.",
+    "required": ["replicas", "minReplicas", "maxReplicas", "gpusPerPod", "cpu", "memory"],
+    "additionalProperties": False,
+    "properties": {
+        "replicas": {"type": "integer", "minimum": 1, "description": "Pods at install time."},
+        "minReplicas": {"type": "integer", "minimum": 0},
+        "maxReplicas": {"type": "integer", "minimum": 1},
+        "gpusPerPod": {"type": "integer", "minimum": 0, "description": "nvidia.com/gpu per pod."},
+        "cpu": _QUANTITY,
+        "memory": _QUANTITY,
+        "shmSize": _QUANTITY,
+        "nodeSelector": _NODE_SELECTOR,
+        "tolerations": _TOLERATIONS,
+    },
+}
+
+
+def values_schema() -> dict[str, Any]:
+    topology = topology_schema()
+    defs = topology.pop("$defs")
+    defs["Topology"] = topology
+    defs["WorkerGroup"] = WORKER_GROUP
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "tokenfab Helm values",
+        "type": "object",
+        "required": ["image", "topology", "head", "workerGroups", "service"],
+        "additionalProperties": False,
+        "properties": {
+            "image": {"type": "object", "required": ["repository", "tag"], "additionalProperties": False,
+                      "properties": {"repository": {"type": "string", "minLength": 1},
+                                     "tag": {"type": "string", "minLength": 1},
+                                     "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}},
+            "imagePullSecrets": {"type": "array", "items": {"type": "object"}},
+            "topology": {"$ref": "#/$defs/Topology"},
+            "head": {"type": "object", "additionalProperties": False,
+                     "properties": {"cpu": _QUANTITY, "memory": _QUANTITY,
+                                    "rayStartParams": {"type": "object",
+                                                       "additionalProperties": {"type": "string"}},
+                                    "nodeSelector": _NODE_SELECTOR, "tolerations": _TOLERATIONS}},
+            "workerGroups": {"type": "object", "additionalProperties": False,
+                             "properties": {role: {"$ref": "#/$defs/WorkerGroup"}
+                                            for role in ("unified", "prefill", "decode")}},
+            "service": {"type": "object", "additionalProperties": False,
+                        "properties": {"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+                                       "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                                       "annotations": {"type": "object"}}},
+            "tenantKeys": {"type": "object", "description": "SHA-256 hex digests of API keys, by tenant.",
+                           "additionalProperties": {"type": "array", "minItems": 1, "items": {
+                               "type": "string", "pattern": "^[0-9a-f]{64}$"}}},
+            "hfTokenSecret": {"type": "string"},
+            "serviceMonitor": {"type": "object", "additionalProperties": False,
+                               "properties": {"enabled": {"type": "boolean"},
+                                              "interval": {"type": "string"},
+                                              "labels": {"type": "object"}}},
+        },
+        "$defs": defs,
+    }

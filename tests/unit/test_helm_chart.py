@@ -1,0 +1,151 @@
+"""The Helm chart, rendered and checked without a cluster: lint, every rendered document against
+its schema (RayService against KubeRay's CRD, core kinds against Kubernetes'), the embedded
+topology against tokenfab's own validation, and bad values refused with a readable error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.config import parse_topology
+from orchestrator.deploy import application_config, topology_of
+from orchestrator.helm_schema import values_schema
+
+helm = pytest.importorskip("helm_python")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy/helm/tokenfab"
+CRDS = ROOT.parent / "shared/k8s"
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+KUBERNETES = "1.30"
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    chart = helm.Chart.load(str(CHART))
+    try:
+        out = chart.render(values, name="demo", namespace="llm")
+    finally:
+        chart.close()
+    return [doc for path, text in sorted(out.items()) if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def crd_schema(kind: str) -> dict[str, Any]:
+    crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return _int_or_string(version["schema"]["openAPIV3Schema"])
+
+
+def _int_or_string(node: Any) -> Any:
+    """KubeRay's `x-kubernetes-int-or-string` as plain JSON Schema."""
+    if isinstance(node, dict):
+        node = {k: _int_or_string(v) for k, v in node.items()}
+        if node.pop("x-kubernetes-int-or-string", False):
+            node.pop("type", None)
+            node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        return node
+    if isinstance(node, list):
+        return [_int_or_string(item) for item in node]
+    return node
+
+
+@pytest.fixture(scope="module", params=EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def rendered(request) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    values = yaml.safe_load(request.param.read_text())
+    return values, render(values)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_lint_passes(example: Path) -> None:
+    result = helm.lint(str(CHART), yaml.safe_load(example.read_text()))
+    assert result["errors"] == [], result
+    assert [m for m in result["messages"] if m["severity"] > 1] == []  # info only (no icon)
+
+
+def test_values_schema_is_generated_from_the_topology_models() -> None:
+    committed = json.loads((CHART / "values.schema.json").read_text())
+    assert committed == values_schema(), "regenerate: tokenfab chart-schema > " \
+        "deploy/helm/tokenfab/values.schema.json"
+
+
+def test_every_document_validates(rendered) -> None:
+    import jsonschema
+    import kubernetes_validate
+
+    _, docs = rendered
+    kinds = sorted(doc["kind"] for doc in docs)
+    assert {"RayService", "ConfigMap", "Service"} <= set(kinds)
+    for doc in docs:
+        if doc["apiVersion"].startswith("ray.io/"):
+            jsonschema.Draft7Validator(crd_schema(doc["kind"])).validate(doc)
+        elif doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            assert doc["kind"] == "ServiceMonitor"
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+def test_rayservice_applies_what_tokenfab_up_applies(rendered) -> None:
+    values, docs = rendered
+    by_kind = {doc["kind"]: doc for doc in docs}
+    topology = parse_topology(yaml.safe_load(by_kind["ConfigMap"]["data"]["topology.yaml"]),
+                              "rendered ConfigMap")
+    serve = yaml.safe_load(by_kind["RayService"]["spec"]["serveConfigV2"])
+    (app,) = serve["applications"]
+    expected = application_config(topology)
+    assert topology_of(app) == topology
+    assert {k: app[k] for k in ("name", "route_prefix", "import_path", "deployments")} == \
+        {k: expected[k] for k in ("name", "route_prefix", "import_path", "deployments")}
+    assert serve["http_options"] == {"host": "0.0.0.0", "port": topology.gateway.port}
+    assert topology.model.path == values["topology"]["model"]["path"]
+    assert topology.cluster.node_ip is None  # each node's own address, found through Ray
+    cluster = by_kind["RayService"]["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {pool.role for pool in topology.pools}
+    for pool in topology.pools:
+        assert pool.resources.ray_resources == {f"tokenfab-{pool.role}": 1}
+        group = groups[pool.role]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] >= pool.resources.gpus
+        assert f"tokenfab-{pool.role}" in group["rayStartParams"]["resources"]
+    head = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
+    service = by_kind["Service"]
+    assert all(head[k] == v for k, v in service["spec"]["selector"].items())
+
+
+def test_tenant_keys_go_to_a_secret_never_the_configmap() -> None:
+    values = yaml.safe_load(EXAMPLES[0].read_text())
+    digest = "a" * 64
+    docs = render(values | {"tenantKeys": {"acme": [digest]}})
+    by_kind = {doc["kind"]: doc for doc in docs}
+    assert digest in by_kind["Secret"]["stringData"]["tenant-keys.yaml"]
+    assert digest not in json.dumps(by_kind["ConfigMap"]) + json.dumps(by_kind["RayService"])
+
+
+GROUP = {"replicas": 1, "minReplicas": 1, "maxReplicas": 1, "gpusPerPod": 1, "cpu": "8",
+         "memory": "32Gi"}
+POOL = {"name": "main", "role": "unified", "resources": {"cpus": 8, "gpus": 1}}
+MODEL = {"name": "m", "path": "org/m"}
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"topology": {"name": "x", "pools": [POOL]}}, "missing property 'model'"),
+    ({"topology": {"name": "x", "model": MODEL, "pools": [POOL | {"replicas": 0}]}},
+     "/topology/pools/0/replicas"),
+    ({"topology": {"name": "x", "model": MODEL, "pools": [POOL]},
+      "workerGroups": {"unified": GROUP | {"replicas": 0}}}, "/workerGroups/unified/replicas"),
+    ({"topology": {"name": "x", "model": MODEL, "pools": [POOL]},
+      "workerGroups": {"unified": GROUP | {"gpusPerPod": 0}}},
+     "topology.pools[main] needs 1 GPU(s) per replica, but workerGroups.unified.gpusPerPod is 0"),
+    ({"topology": {"name": "x", "model": MODEL, "pools": [POOL], "router": {"policy": "fastest"}}},
+     "/topology/router/policy"),
+    ({"topology": {"name": "x", "model": MODEL, "pools": [POOL]}, "tenantKeys": {"a": ["plain"]}},
+     "/tenantKeys/a/0"),
+])
+def test_bad_values_fail_with_a_readable_error(values, message) -> None:
+    with pytest.raises(helm.HelmError) as error:
+        render(values)
+    assert message in str(error.value)
