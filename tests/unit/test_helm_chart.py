@@ -5,6 +5,7 @@ topology against tokenfab's own validation, and bad values refused with a readab
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,18 @@ helm = pytest.importorskip("helm_python")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/helm/tokenfab"
-CRDS = ROOT.parent / "shared/k8s"
+
+def _crd_dir() -> Path:
+    """KubeRay's CRDs from the shared reference folder beside the checkout (not vendored)."""
+    candidates = [Path(p) for p in [os.environ.get("TOKENFAB_KUBERAY_CRDS", "")] if p]
+    candidates += [ROOT.parent / "shared/k8s", Path("/work/shared/k8s")]
+    for path in candidates:
+        if (path / "ray.io_rayservices.yaml").exists():
+            return path
+    raise FileNotFoundError(f"KubeRay CRDs not found in {candidates}; set TOKENFAB_KUBERAY_CRDS")
+
+
+CRDS = _crd_dir()
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
 KUBERNETES = "1.30"
 
