@@ -1,15 +1,20 @@
-"""Two Ray nodes with their own loopback addresses (127.0.0.1 and 127.0.0.2): prefill on one,
+"""Two Ray nodes with their own loopback addresses (127.0.0.2 and 127.0.0.3): prefill on one,
 decode on the other. Requests, KV events and NIXL transfers cross nodes, every address comes from
-Ray, and nothing listens on an address outside 127.0.0.0/8."""
+Ray, and nothing listens on an address outside 127.0.0.0/8.
+
+Why not the session's head on 127.0.0.1: a node joining a cluster needs Ray's multi-node mode,
+and in that mode Ray 2.60 rewrites "127.0.0.1" in the head's address to the machine's other
+interface and dials that. Addresses elsewhere in 127.0.0.0/8 are kept as given."""
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,54 +28,51 @@ from tests.integration.cases import PROMPTS
 from tests.integration.conftest import ROOT, TOKENFAB, remove_app
 
 TOPOLOGY = ROOT / "tests/integration/topology-multinode.yaml"
-NODE2 = "127.0.0.2"
+HEAD, NODE2 = "127.0.0.2", "127.0.0.3"
 
 
-def _node2_processes() -> list[psutil.Process]:
+def _cluster_processes() -> list[psutil.Process]:
+    """This module's Ray processes (their command lines name its node addresses)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if NODE2 in cmdline and "ray" in cmdline:
+        if (HEAD in cmdline or NODE2 in cmdline) and "ray" in cmdline:
             found.append(proc)
     return found
 
 
-def _node2_alive(ray: str, dashboard_url: str) -> bool:
-    listed = subprocess.run([ray, "list", "nodes", "--address", dashboard_url, "--format", "json"],
-                            capture_output=True, text=True, timeout=60)
-    nodes = json.loads(listed.stdout or "[]")
-    return any(n.get("node_ip") == NODE2 and n.get("state") == "ALIVE" for n in nodes)
+def _start(ray: str, *args: str) -> None:
+    env = os.environ | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+    result = subprocess.run([ray, "start", "--disable-usage-stats", "--num-cpus=1", *args],
+                            capture_output=True, text=True, timeout=120, env=env,
+                            start_new_session=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.fixture(scope="module")
-def multinode(ray_cluster, reference: dict[str, Any]):
-    import sys
-    from pathlib import Path
-
+def multinode(reference: dict[str, Any]):
     topology = load_topology(TOPOLOGY)
-    env = os.environ | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     ray = str(Path(sys.executable).with_name("ray"))
-    started = subprocess.run([ray, "start", f"--address={topology.cluster.address}",
-                              f"--node-ip-address={NODE2}", "--num-cpus=1",
-                              '--resources={"tokenfab-node2": 1}', "--disable-usage-stats"],
-                             capture_output=True, text=True, timeout=120, env=env,
-                             start_new_session=True)
-    assert started.returncode == 0, started.stdout + started.stderr
+    port = topology.cluster.address.rsplit(":", 1)[1]
     try:
+        _start(ray, "--head", f"--port={port}", f"--node-ip-address={HEAD}",
+               f"--dashboard-host={HEAD}", "--dashboard-port=8278")
+        _start(ray, f"--address={topology.cluster.address}", f"--node-ip-address={NODE2}")
         result = subprocess.run([TOKENFAB, "up", str(TOPOLOGY), "--timeout", "600"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, result.stdout + result.stderr
         yield topology, reference
         remove_app(topology.name, topology.cluster.dashboard_url)
-    finally:
-        for proc in _node2_processes():  # this node only; the session's head keeps running
+    finally:  # this cluster only: the session's, on 127.0.0.1, may be running beside it
+        for proc in _cluster_processes():
             try:
                 proc.send_signal(signal.SIGTERM)
             except psutil.NoSuchProcess:
                 pass
-        deadline = time.monotonic() + 90
-        while _node2_alive(ray, topology.cluster.dashboard_url) and time.monotonic() < deadline:
-            time.sleep(2)  # later modules must not be placed on a node that is going away
+        psutil.wait_procs(_cluster_processes(), timeout=30)
+        for proc in _cluster_processes():
+            proc.kill()
+        time.sleep(1)
         for pid in orphaned_engine_processes():
             os.kill(pid, signal.SIGKILL)
 
@@ -82,12 +84,12 @@ def _reports(root: str) -> dict[str, dict[str, Any]]:
 def test_pools_run_on_their_nodes_with_node_addresses(multinode) -> None:
     topology, _ = multinode
     reports = _reports(gateway_url(topology))
-    assert reports["prefill"]["node_ip"] == "127.0.0.1"
+    assert reports["prefill"]["node_ip"] == HEAD
     assert reports["decode"]["node_ip"] == NODE2
     assert reports["decode"]["kv_events_endpoint"].startswith(f"tcp://{NODE2}:")
     assert reports["decode"]["kv_replay_endpoint"].startswith(f"tcp://{NODE2}:")
     assert reports["decode"]["side_channel"].startswith(f"{NODE2}:")
-    assert reports["prefill"]["kv_events_endpoint"].startswith("tcp://127.0.0.1:")
+    assert reports["prefill"]["kv_events_endpoint"].startswith(f"tcp://{HEAD}:")
 
 
 def test_request_crosses_nodes_and_equals_the_bare_engine(multinode) -> None:
@@ -117,7 +119,7 @@ def test_request_crosses_nodes_and_equals_the_bare_engine(multinode) -> None:
             if socket.poll(500, zmq.POLLIN):
                 _topic, _seq, payload = socket.recv_multipart()
                 stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
-        assert stored, "no BlockStored event from the decode engine on 127.0.0.2"
+        assert stored, f"no BlockStored event from the decode engine on {NODE2}"
     finally:
         context.destroy(linger=0)
     time.sleep(2.2)  # replicas report every second
@@ -137,6 +139,7 @@ def test_nothing_listens_outside_loopback(multinode) -> None:
         if conn.status != psutil.CONN_LISTEN:
             continue
         address = ipaddress.ip_address(conn.laddr.ip)
+        address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:127.0.0.1
         if address.is_loopback or address.is_unspecified:
             continue
         offenders.append((conn.laddr, conn.pid))
