@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,12 +78,19 @@ def remove_app(name: str, dashboard_url: str) -> None:
 def deployment(ray_cluster, reference: dict[str, Any]):
     """The two-replica unified deployment, made with `ray job submit` as an operator would."""
     topology = load_topology(TOPOLOGY)
-    job_log = _run([
+    command = [
         str(Path(sys.executable).with_name("ray")), "job", "submit",
         "--address", topology.cluster.dashboard_url, "--working-dir", str(ROOT), "--",
         sys.executable, "-m", "orchestrator", "up", str(TOPOLOGY.relative_to(ROOT)),
         "--timeout", "600",
-    ], 900)
+    ]
+    for _ in range(30):  # the head's job agent registers a little after the dashboard is up
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        if "No available agent" not in result.stdout + result.stderr:
+            break
+        time.sleep(2)
+    job_log = result.stdout + result.stderr
+    assert result.returncode == 0, f"{command} failed ({result.returncode}):\n{job_log[-4000:]}"
     yield Deployment(topology, f"{gateway_url(topology)}/v1", reference, job_log)
     remove_app(topology.name, topology.cluster.dashboard_url)
 
