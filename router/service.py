@@ -48,7 +48,6 @@ class RoutingService:
         self._views: dict[ReplicaId, ReplicaView] = {}
         self._streams: dict[ReplicaId, ReplicaEventStream] = {}
         self._hashers: dict[int, BlockHasher] = {}
-        self._keys: dict[str, RouteKey] = {}
         self._context = zmq.Context()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,7 +78,6 @@ class RoutingService:
     def finished(self, request_id: str) -> None:
         with self._lock:
             self._tracker.finished(request_id)
-            self._keys.pop(request_id, None)
 
     # -- request-router side ------------------------------------------------------------------
 
@@ -107,7 +105,6 @@ class RoutingService:
                 cached = min(matched * key.block_size, key.prompt_tokens)
                 self._tracker.dispatched(key.request_id, replica, key.prompt_tokens - cached)
                 self._history.record(replica, key.block_hashes)
-                self._keys[key.request_id] = key
         if self._metrics is not None:
             self._metrics.decisions.labels(self.pool, self.policy.name).inc()
             if key is not None:
