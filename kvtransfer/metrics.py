@@ -6,7 +6,7 @@ Exposed as Prometheus series on the gateway's /metrics and as JSON for `tokenfab
 from __future__ import annotations
 
 from collections import Counter as Tally
-from typing import Literal
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -29,6 +29,10 @@ class TransferMetrics:
                                   buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                                   registry=registry)
         self.tally: Tally[str] = Tally()
+        for counter, labels in ((self._requests, Path), (self._skips, SkipReason),
+                                (self._fallbacks, FallbackReason)):
+            for label in get_args(labels):  # every series exists from the start, at 0
+                counter.labels(label)
 
     def path(self, path: Path) -> None:
         self._requests.labels(path).inc()

@@ -77,6 +77,14 @@ def chart_schema() -> None:
     click.echo(json.dumps(values_schema(), indent=2))
 
 
+@main.command("dashboard")
+def dashboard() -> None:
+    """Print the Grafana dashboard (deploy/dashboards/tokenfab.json)."""
+    from orchestrator.dashboard import dashboard as build
+
+    click.echo(json.dumps(build(), indent=2))
+
+
 @main.group()
 def model() -> None:
     """Generate models that need no download."""

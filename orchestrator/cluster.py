@@ -51,6 +51,8 @@ def start_head(cluster: ClusterSpec, timeout_s: float = 120.0) -> None:
         command.append(f"--node-ip-address={cluster.node_ip}")
     if cluster.num_cpus is not None:
         command.append(f"--num-cpus={cluster.num_cpus}")
+    if cluster.metrics_export_port is not None:
+        command.append(f"--metrics-export-port={cluster.metrics_export_port}")
     # A session of its own: the terminal's Ctrl-C must reach `tokenfab up`, which then removes the
     # deployment in order, not the Ray daemons underneath it.
     result = subprocess.run(command, env=os.environ | ray_env(cluster), capture_output=True,

@@ -245,6 +245,11 @@ class ClusterSpec(_Strict):
         "http://127.0.0.1:8265", description="Ray dashboard, used to deploy and to query status."
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs for a head `up` starts itself.")
+    metrics_export_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Port of the Ray metrics agent of a head `up` starts itself, where vLLM's "
+        "engine series (ray_vllm_*) are scraped; null: Ray picks one.",
+    )
 
 
 class AutoscalerSpec(_Strict):

@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtransfer.metrics import TransferMetrics
+from orchestrator import pool_metrics
 from orchestrator.config import Topology
 from orchestrator.pd_flow import PDFlow
 from orchestrator.routing import PoolRouters
@@ -119,7 +120,16 @@ class Gateway:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
+        """This ingress replica's series, then every pool replica's (see pool_metrics)."""
+        body = generate_latest(self._registry)
+        try:
+            reports = await asyncio.wait_for(
+                get_registry(self._topology.name).snapshot.remote(), timeout=2.0)
+        except Exception:  # a scrape without pool series beats a failed scrape
+            logger.warning("replica registry unavailable; /metrics without pool series")
+        else:
+            body += pool_metrics.render(reports)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/tokenfab/pd")
     async def pd_counters(self) -> dict[str, int]:

@@ -71,6 +71,7 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     prompt_tokens_computed: int = 0
     prompt_tokens_local_hit: int = 0
     prompt_tokens_transferred: int = 0
+    generation_tokens: int = 0
     kv_transfers: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0

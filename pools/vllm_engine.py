@@ -81,7 +81,7 @@ class _LoadRecorder:
                 if scheduler_stats is not None:
                     recorder.update(scheduler_stats)
                 if iteration_stats is not None:
-                    recorder.count_prompt_tokens(iteration_stats.prompt_token_stats)
+                    recorder.count_tokens(iteration_stats)
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -104,10 +104,11 @@ class _LoadRecorder:
             kv_transfer_failures=old.kv_transfer_failures + transfers["failures"],
         )
 
-    def count_prompt_tokens(self, prompt: Any) -> None:
-        old = self.snapshot
+    def count_tokens(self, iteration: Any) -> None:
+        old, prompt = self.snapshot, iteration.prompt_token_stats
         self.snapshot = msgspec.structs.replace(
             old,
+            generation_tokens=old.generation_tokens + iteration.num_generation_tokens,
             prompt_tokens_computed=old.prompt_tokens_computed + prompt.computed,
             prompt_tokens_local_hit=old.prompt_tokens_local_hit + prompt.local_cache_hit,
             prompt_tokens_transferred=old.prompt_tokens_transferred + prompt.external_kv_transfer,
@@ -159,6 +160,7 @@ class VllmEngine:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         engine_args = build_engine_args(self.spec)
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
@@ -166,7 +168,9 @@ class VllmEngine:
         self._llm = AsyncLLM.from_vllm_config(
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
-            stat_loggers=[self._recorder.factory],
+            # vLLM's own Prometheus series go through Ray's metrics agent on each node
+            # (ray_vllm_*, labelled with the Serve ReplicaId); ours feed routing and status.
+            stat_loggers=[self._recorder.factory, RayPrometheusStatLogger],
             disable_log_stats=False,
         )
         frontend = FrontendArgs(enable_prompt_tokens_details=True)

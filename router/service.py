@@ -52,6 +52,10 @@ class RoutingService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._counted: dict[ReplicaId, tuple[int, int, int]] = {}
+        if metrics is not None:  # every series exists from the start, at 0
+            metrics.decisions.labels(pool, policy.name)
+            for outcome in ("replayed", "cleared"):
+                metrics.gaps.labels(pool, outcome)
 
     # -- gateway side -------------------------------------------------------------------------
 

@@ -99,3 +99,9 @@ def deployment(ray_cluster, reference: dict[str, Any]):
 def http(deployment: Deployment):
     with httpx.Client(base_url=deployment.base_url, timeout=120, trust_env=False) as client:
         yield client
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The two-node test runs last, on its own cluster beside the session's idle head: started
+    first, it left the session head's job agent unavailable to `ray job submit`."""
+    items.sort(key=lambda item: item.module.__name__.endswith("test_multinode"))

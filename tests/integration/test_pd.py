@@ -25,6 +25,7 @@ from orchestrator.config import Topology, load_topology
 from orchestrator.status import gateway_url
 from tests.integration.cases import CHATS, FALLBACK, PROMPTS
 from tests.integration.conftest import ROOT, TOKENFAB, remove_app
+from tests.promql import dashboard_series
 
 TOPOLOGY = ROOT / "tests/integration/topology-pd.yaml"
 MODEL = "tiny"
@@ -164,6 +165,35 @@ def _prefilled(handles, body: dict[str, Any]) -> dict[str, Any]:
     status, reply = _leg(handles["prefill"], prefill_body(body))
     assert status == 200
     return reply["kv_transfer_params"]
+
+
+def _samples(url: str) -> list[Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, trust_env=False, timeout=10).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def test_dashboard_reads_only_exported_series(pd: PD) -> None:
+    """Every series the Grafana dashboard queries is exported: tokenfab's by the gateway, vLLM's
+    by the Ray metrics agent; and vLLM's carry the replica ids the join to pools relies on."""
+    wanted = dashboard_series()
+    gateway = _samples(f"{pd.root}/metrics")
+    agent = f"http://{pd.topology.cluster.node_ip}:{pd.topology.cluster.metrics_export_port}"
+    deadline = time.monotonic() + 60  # Ray's agent exports what engines recorded every few s
+    while True:
+        engine = _samples(f"{agent}/metrics")
+        missing = wanted - {s.name for s in gateway} - {s.name for s in engine}
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert missing == set(), f"queried by the dashboard, exported by nobody: {sorted(missing)}"
+    replicas = {s.labels["ReplicaId"]: s.labels["pool"] for s in gateway
+                if s.name == "tokenfab_replica_info"}
+    assert set(replicas.values()) == {"prefill", "decode"}
+    ttft = {s.labels.get("ReplicaId") for s in engine
+            if s.name == "ray_vllm_time_to_first_token_seconds_count" and s.value > 0}
+    assert ttft & set(replicas), (ttft, replicas)  # vLLM's series join to this app's pools
 
 
 def test_unreachable_side_channel_recomputes(pd: PD, handles) -> None:

@@ -1,0 +1,41 @@
+"""The series a Grafana dashboard's PromQL expressions read, found by parsing them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import promql_parser
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/dashboards/tokenfab.json"
+# Grafana's built-in variables, replaced by what Grafana would put there
+_GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h"}
+
+
+def parse(expr: str) -> Any:
+    for variable, value in _GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    return promql_parser.parse(expr)
+
+
+def series(node: Any) -> set[str]:
+    """Names of every series an expression selects."""
+    kind = type(node).__name__
+    if kind == "VectorSelector":
+        return {node.name}
+    if kind == "MatrixSelector":
+        return series(node.vector_selector)
+    if kind == "BinaryExpr":
+        return series(node.lhs) | series(node.rhs)
+    if kind == "Call":
+        return set().union(*(series(arg) for arg in node.args))
+    if kind in ("AggregateExpr", "ParenExpr", "UnaryExpr", "SubqueryExpr"):
+        return series(node.expr)
+    return set()
+
+
+def dashboard_series(model: dict[str, Any] | None = None) -> set[str]:
+    model = model or json.loads(DASHBOARD.read_text())
+    return set().union(*(series(parse(target["expr"])) for panel in model["panels"]
+                         for target in panel.get("targets", [])))
