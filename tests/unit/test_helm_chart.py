@@ -95,7 +95,7 @@ def test_every_document_validates(rendered) -> None:
         if doc["apiVersion"].startswith("ray.io/"):
             jsonschema.Draft7Validator(crd_schema(doc["kind"])).validate(doc)
         elif doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            assert doc["kind"] == "ServiceMonitor"
+            assert doc["kind"] in ("ServiceMonitor", "PodMonitor")
         else:
             kubernetes_validate.validate(doc, KUBERNETES, strict=True)
 
@@ -161,3 +161,30 @@ def test_bad_values_fail_with_a_readable_error(values, message) -> None:
     with pytest.raises(helm.HelmError) as error:
         render(values)
     assert message in str(error.value)
+
+
+def _pod_templates(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"],
+            *(group["template"] for group in cluster.get("workerGroupSpecs", []))]
+
+
+def test_monitors_select_every_engine_pod_and_a_port_it_has() -> None:
+    values = yaml.safe_load((CHART / "examples/llama3-8b-pd-h100.yaml").read_text())
+    docs = {doc["kind"]: doc for doc in render(values)}
+    pods = _pod_templates(docs["RayService"])
+    pod_monitor = docs["PodMonitor"]["spec"]
+    (expression,) = pod_monitor["selector"]["matchExpressions"]
+    selected = [pod for pod in pods
+                if pod["metadata"]["labels"][expression["key"]] in expression["values"]
+                and pod_monitor["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()]
+    assert len(selected) == len(pods) - 1  # every worker group, not the head
+    for pod in selected:
+        ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        assert {e["port"] for e in pod_monitor["podMetricsEndpoints"]} <= ports
+    service = docs["Service"]
+    service_ports = {p["name"] for p in service["spec"]["ports"]}
+    endpoints = docs["ServiceMonitor"]["spec"]["endpoints"]
+    assert {e["port"] for e in endpoints} <= service_ports
+    assert docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= \
+        service["metadata"]["labels"].items()
