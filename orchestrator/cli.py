@@ -77,6 +77,25 @@ def chart_schema() -> None:
     click.echo(json.dumps(values_schema(), indent=2))
 
 
+@main.command("hash-key")
+@click.argument("key", required=False)
+@click.option("--generate", is_flag=True, help="Make a new random key and print it first.")
+def hash_key_command(key: str | None, generate: bool) -> None:
+    """Print the digest a topology stores for an API key (KEY, or one line of stdin)."""
+    import secrets
+
+    from orchestrator.tenancy import hash_key
+
+    if generate:
+        key = "tf-" + secrets.token_urlsafe(32)
+        click.echo(key)
+    elif key is None:
+        key = sys.stdin.readline().strip()
+    if not key:
+        raise click.UsageError("give a KEY, one line on stdin, or --generate")
+    click.echo(hash_key(key))
+
+
 @main.command("dashboard")
 def dashboard() -> None:
     """Print the Grafana dashboard (deploy/dashboards/tokenfab.json)."""

@@ -204,6 +204,67 @@ class GatewaySpec(_Strict):
         return parse_bytes(value)
 
 
+KeyDigest = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+PriorityClass = Literal["high", "normal", "low"]
+
+
+class TenantLimits(_Strict):
+    """Per-tenant limits, enforced by each ingress replica (null: no limit)."""
+
+    requests_per_minute: int | None = Field(None, ge=1, description="Requests admitted per minute.")
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Prompt plus completion tokens per minute. A request is charged "
+        "its prompt and its max_tokens when admitted and refunded what it did not generate.")
+    max_concurrent: int | None = Field(None, ge=1, description="Requests in flight at once.")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt accepted.")
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="Largest max_tokens accepted; also the default when a request "
+        "sets none.")
+
+
+class TenantSpec(_Strict):
+    """A customer of the gateway: its keys, what it may use, and how it shares the cluster."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$", description="Tenant name (a label).")
+    api_keys: list[KeyDigest] = Field(
+        default_factory=list, description="SHA-256 digests of the tenant's API keys, "
+        "`sha256:<hex>` (`tokenfab hash-key` prints one); several for rotation. Keys can also "
+        "come from auth.key_file.")
+    models: list[str] | None = Field(None, description="Models the tenant may use; null: all.")
+    weight: float = Field(1.0, gt=0, description="Share of the cluster when it is saturated.")
+    priority: PriorityClass = Field(
+        "normal", description="Queued requests of a higher class are admitted first.")
+    cache_group: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
+        description="Tenants naming the same group share prefix-cache hits; null: the tenant's "
+        "prompts are cached apart from everyone else's.")
+    limits: TenantLimits = Field(default_factory=TenantLimits)
+
+
+class AuthSpec(_Strict):
+    """How the gateway tells tenants apart."""
+
+    enabled: bool = Field(
+        False, description="Require an API key (Authorization: Bearer). Off: every request is "
+        "tenant `default` (declare a tenant named default to give it limits).")
+    key_file: str | None = Field(
+        None, description="YAML mapping of tenant name to a list of key digests, read when the "
+        "gateway starts (the Helm chart mounts its tenant-keys Secret here).")
+
+
+class AdmissionSpec(_Strict):
+    """Admission into the pools: beyond `max_in_flight`, requests wait in a fair queue."""
+
+    max_in_flight: int | None = Field(
+        None, ge=1, description="Requests one ingress replica lets into the pools at once; more "
+        "wait, and tenants are served by weight on tokens (virtual token counters), higher "
+        "priority classes first. null: no queue.")
+    max_queued_per_tenant: int = Field(
+        64, ge=0, description="Waiting requests per tenant; beyond, 429.")
+    queue_timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait in the queue; beyond, 503.")
+
+
 class DisaggregationSpec(_Strict):
     """How requests flow through prefill and decode pools (ignored by unified topologies)."""
 
@@ -272,6 +333,9 @@ class Topology(_Strict):
     disaggregation: DisaggregationSpec = Field(default_factory=DisaggregationSpec)
     kv_events: KVEventsSpec = Field(default_factory=KVEventsSpec)
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+    tenants: list[TenantSpec] = Field(default_factory=list, description="Tenants of the gateway.")
+    admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
     autoscaler: AutoscalerSpec = Field(default_factory=AutoscalerSpec)
 
     @field_validator("engine_args")
@@ -291,6 +355,28 @@ class Topology(_Strict):
         if "unified" in roles and len(roles) > 1:
             raise ValueError("unified pools and prefill/decode pools go in separate topologies")
         return pools
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_set(cls, tenants: list[TenantSpec]) -> list[TenantSpec]:
+        names = [tenant.name for tenant in tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tenant names must be unique, got {names}")
+        keys = [key for tenant in tenants for key in tenant.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("an API key digest belongs to two tenants")
+        return tenants
+
+    @model_validator(mode="after")
+    def _auth_inputs(self) -> "Topology":
+        if self.auth.enabled and not self.tenants:
+            raise ValueError("auth.enabled needs tenants: declare at least one")
+        for tenant in self.tenants:
+            unknown = set(tenant.models or ()) - {self.model.name}
+            if unknown:
+                raise ValueError(f"tenant {tenant.name}: models {sorted(unknown)} are not served "
+                                 f"(this topology serves {self.model.name!r})")
+        return self
 
     @model_validator(mode="after")
     def _router_inputs(self) -> "Topology":

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,25 +25,21 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtransfer.metrics import TransferMetrics
+from orchestrator.admission import Admission, Ticket
+from orchestrator.api_errors import GatewayError, error_response
 from orchestrator import pool_metrics
 from orchestrator.config import Topology
+from orchestrator.gateway_metrics import UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.pd_flow import PDFlow
 from orchestrator.routing import PoolRouters
+from orchestrator.tenancy import Tenants
+from orchestrator.usage import StreamMeter, Usage, request_usage, usage_of
 from pools.engine import Endpoint, ReplyHead, openai_error
 from pools.registry import get_registry
 from pools.tokenizer import PromptTokenCounter
 
-logger = logging.getLogger("tokenfab.access")
-
-class GatewayError(Exception):
-    """A request the gateway answers itself, with an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param)
+# Under Serve's logger, so lines land in the replica's log with Serve's request id beside ours.
+logger = logging.getLogger("ray.serve").getChild("tokenfab.access")
 
 
 class _EndOfReply(GatewayError):
@@ -50,11 +47,6 @@ class _EndOfReply(GatewayError):
 
     def __init__(self) -> None:
         super().__init__(503, "pool replica closed the reply early")
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    code = "model_not_found" if status == 404 and param == "model" else None
-    return JSONResponse(openai_error(status, message, param, code), status_code=status)
 
 
 def _sse_error(message: str) -> bytes:
@@ -67,6 +59,16 @@ async def _close(replies: Any) -> None:
         replies.cancel()
     else:
         await replies.aclose()
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        if first:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 app = FastAPI(title="tokenfab", docs_url=None, redoc_url=None)
@@ -87,6 +89,9 @@ class Gateway:
         self._registry = CollectorRegistry()
         self._routers = PoolRouters(self._topology, serve.get_replica_context().app_name,
                                     self._registry)
+        tenants = Tenants.from_topology(self._topology)
+        self._metrics = GatewayMetrics(self._registry, tenants.names)
+        self._admission = Admission(self._topology, self._metrics, tenants)
         self._pd: PDFlow | None = None
         roles = {pool.name: pool.role for pool in self._topology.pools}
         unified = [(name, handle) for name, handle in pools.items() if roles[name] == "unified"]
@@ -101,13 +106,14 @@ class Gateway:
                 routers=self._routers,
             )
 
-    async def _replies(self, endpoint: Endpoint, body: dict[str, Any]) -> Any:
+    async def _replies(self, endpoint: Endpoint, body: dict[str, Any],
+                       tokens: list[int] | None = None) -> Any:
         """The reply stream of one request: from a unified pool's replica the router picks, or
         the P/D flow's."""
         if self._pd is not None:
             return self._pd.reply(endpoint, body)
         pool, handle = next(self._unified)
-        key = await self._routers.key(pool, endpoint, body)
+        key = await self._routers.key(pool, endpoint, body, tokens)
         replies = handle.options(stream=True).reply.remote(endpoint, body, route=key)
         return self._routers.tracked(pool, key, replies) if key is not None else replies
 
@@ -117,6 +123,20 @@ class Gateway:
     @app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self) -> Response:
+        """200 when every pool has a ready replica; 503 naming the pools that have none."""
+        try:
+            reports = await asyncio.wait_for(
+                get_registry(self._topology.name).snapshot.remote(), timeout=2.0)
+        except Exception:  # noqa: BLE001 - any failure of the registry means not ready
+            return error_response(503, "replica registry unavailable")
+        ready = Counter(report.pool for report in reports if report.state == "ready")
+        missing = [pool.name for pool in self._topology.pools if not ready[pool.name]]
+        if missing:
+            return error_response(503, f"no ready replica in pool(s): {', '.join(missing)}")
+        return JSONResponse({"status": "ready", "ready_replicas": dict(ready)})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -183,15 +203,36 @@ class Gateway:
     async def _forward(self, endpoint: Endpoint, request: Request) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         started = time.monotonic()
+        tenant, ticket = UNKNOWN_TENANT, None
         try:
+            spec = self._admission.authenticate(request.headers.get("authorization"))
+            tenant = spec.name
             body = await self._read_body(request)
-            response = await self._dispatch(endpoint, body)
+            ticket, body = await self._admission.admit(spec, endpoint, body)
+            response = await self._dispatch(endpoint, body, ticket, started, request_id)
         except GatewayError as exc:
             response = exc.response()
+        except BaseException:  # the client went away: nothing to answer, settle the request
+            if ticket is not None:
+                self._admission.finish(ticket, None)
+            raise
         response.headers["x-request-id"] = request_id
-        logger.info("request_id=%s endpoint=%s status=%d latency_ms=%.1f", request_id, endpoint,
-                    response.status_code, 1000 * (time.monotonic() - started))
+        self._metrics.requests.labels(tenant, endpoint, str(response.status_code)).inc()
+        if not isinstance(response, StreamingResponse):
+            if ticket is not None:
+                self._admission.finish(ticket, None)  # a no-op when the reply settled it
+            self._log(request_id, tenant, endpoint, response.status_code, started, ticket)
         return response
+
+    def _log(self, request_id: str, tenant: str, endpoint: str, status: int, started: float,
+             ticket: Ticket | None, usage: Usage | None = None) -> None:
+        elapsed = time.monotonic() - started
+        self._metrics.latency.labels(tenant, endpoint).observe(elapsed)
+        logger.info("request_id=%s tenant=%s endpoint=%s status=%d latency_ms=%.1f queue_ms=%.1f "
+                    "prompt_tokens=%s completion_tokens=%s cached_tokens=%s", request_id, tenant,
+                    endpoint, status, 1000 * elapsed, 1000 * (ticket.queued_s if ticket else 0),
+                    usage.prompt_tokens if usage else "-",
+                    usage.completion_tokens if usage else "-", usage.cached_tokens if usage else "-")
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
         limit = self._topology.gateway.max_body_bytes
@@ -203,8 +244,8 @@ class Gateway:
             raise GatewayError(413, f"request body is larger than {limit} bytes")
         try:
             body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise GatewayError(400, f"request body is not valid JSON: {exc}") from exc
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise GatewayError(400, f"request body is not valid JSON (UTF-8): {exc}") from exc
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object")
         model = body.get("model")
@@ -214,8 +255,10 @@ class Gateway:
             raise GatewayError(404, f"The model `{model}` does not exist.", "model")
         return body
 
-    async def _dispatch(self, endpoint: Endpoint, body: dict[str, Any]) -> Response:
-        replies = await self._replies(endpoint, body)
+    async def _dispatch(self, endpoint: Endpoint, body: dict[str, Any], ticket: Ticket,
+                        started: float, request_id: str) -> Response:
+        body, client_wants_usage = request_usage(body)
+        replies = await self._replies(endpoint, body, ticket.prompt_tokens)
         head = await self._next(replies)
         if not isinstance(head, ReplyHead):
             await _close(replies)
@@ -224,8 +267,15 @@ class Gateway:
         if not head.streaming:
             payload = await self._next(replies)
             await _close(replies)  # done: let the router count the request as finished
+            usage = usage_of(payload) if head.status == 200 else Usage()  # errors serve nothing
+            self._admission.finish(ticket, usage)
             return Response(payload, head.status, headers, media_type="application/json")
-        return StreamingResponse(self._relay(replies), headers=headers,
+        meter = StreamMeter(started, client_wants_usage)
+        relay = self._relay(replies, meter, endpoint, ticket, request_id)
+        # Started here, so that its cleanup (abort, settle the ticket) runs even if the client
+        # leaves before the response starts: asyncio finalizes a started generator.
+        first = await anext(relay, b"")
+        return StreamingResponse(_prepend(first, relay), headers=headers,
                                  media_type="text/event-stream")
 
     async def _next(self, replies: Any) -> Any:
@@ -242,7 +292,9 @@ class Gateway:
             logger.warning("pool replica failed: %s", exc)
             raise GatewayError(503, "engine replica unavailable; retry") from exc
 
-    async def _relay(self, replies: Any) -> AsyncIterator[bytes]:
+    async def _relay(self, replies: Any, meter: StreamMeter, endpoint: Endpoint, ticket: Ticket,
+                     request_id: str) -> AsyncIterator[bytes]:
+        started = meter.started
         try:
             while True:
                 try:
@@ -252,6 +304,15 @@ class Gateway:
                 except GatewayError as exc:  # headers are sent: report the failure in-stream
                     yield _sse_error(exc.message)
                     return
-                yield item
+                item = meter.feed(item, time.monotonic())
+                if item:
+                    yield item
         finally:
             await _close(replies)  # client gone or stream done: abort engine requests still running
+            self._admission.finish(ticket, meter.usage)
+            name = ticket.tenant.name
+            if meter.first_token_s is not None:
+                self._metrics.ttft.labels(name).observe(meter.first_token_s)
+            for gap in meter.gaps:
+                self._metrics.itl.labels(name).observe(gap)
+            self._log(request_id, name, endpoint, 200, started, ticket, meter.usage)

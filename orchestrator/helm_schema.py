@@ -64,9 +64,10 @@ def values_schema() -> dict[str, Any]:
                         "properties": {"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
                                        "port": {"type": "integer", "minimum": 1, "maximum": 65535},
                                        "annotations": {"type": "object"}}},
-            "tenantKeys": {"type": "object", "description": "SHA-256 hex digests of API keys, by tenant.",
+            "tenantKeys": {"type": "object", "description": "API-key digests (sha256:<hex>, "
+                           "`tokenfab hash-key`), by tenant; mounted as auth.key_file.",
                            "additionalProperties": {"type": "array", "minItems": 1, "items": {
-                               "type": "string", "pattern": "^[0-9a-f]{64}$"}}},
+                               "type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}}},
             "hfTokenSecret": {"type": "string"},
             "serviceMonitor": {"type": "object", "additionalProperties": False,
                                "properties": {"enabled": {"type": "boolean"},

@@ -41,8 +41,9 @@ class ReplyHead(msgspec.Struct, frozen=True):
     replica_id: str = ""
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-               413: "RequestTooLarge", 503: "ServiceUnavailableError", 504: "GatewayTimeout"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",
+               429: "RateLimitError", 503: "ServiceUnavailableError", 504: "GatewayTimeout"}
 
 
 def openai_error(status: int, message: str, param: str | None = None,

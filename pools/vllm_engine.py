@@ -139,6 +139,17 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts), next(iter(by_field))
 
 
+_FIELDS: dict[type, frozenset[str]] = {}
+
+
+def _field_names(model: type) -> frozenset[str]:
+    """A request model's field names and aliases."""
+    if model not in _FIELDS:
+        _FIELDS[model] = frozenset(name for field_name, field in model.model_fields.items()
+                                   for name in (field_name, field.alias) if name)
+    return _FIELDS[model]
+
+
 class VllmEngine:
     """Implements pools.engine.Engine with vLLM's AsyncLLM and its OpenAI serving classes."""
 
@@ -183,10 +194,16 @@ class VllmEngine:
         self._error_type = ErrorResponse
 
     async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
+        unknown = sorted(body.keys() - _field_names(self._requests[endpoint]))
         try:
-            request = self._requests[endpoint].model_validate(body)
+            if unknown:  # as OpenAI does; vLLM alone would ignore them silently
+                message, param = f"Unrecognized request argument supplied: {unknown[0]}", unknown[0]
+            else:
+                message, param = "", None
+                request = self._requests[endpoint].model_validate(body)
         except ValidationError as exc:
             message, param = _validation_message(exc)
+        if message:
             yield ReplyHead(400, streaming=False)
             yield msgspec.json.encode(openai_error(400, message, param))
             return
@@ -206,9 +223,13 @@ class VllmEngine:
             async for chunk in result:
                 yield chunk.encode()
             return
-        status = result.error.code if isinstance(result, self._error_type) else 200
-        yield ReplyHead(status, streaming=False)
-        yield result.model_dump_json(exclude_none=status != 200).encode()
+        if isinstance(result, self._error_type):  # every error carries all four OpenAI keys
+            error = result.error
+            yield ReplyHead(error.code, streaming=False)
+            yield msgspec.json.encode(openai_error(error.code, error.message, error.param))
+            return
+        yield ReplyHead(200, streaming=False)
+        yield result.model_dump_json().encode()
 
     def _raise_if_dead(self, exc: Exception) -> None:
         if self._llm is None or self._llm.errored:

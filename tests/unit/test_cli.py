@@ -61,3 +61,24 @@ def test_schema_is_json_schema_of_topology() -> None:
     assert {"model", "pools"} <= set(schema["properties"])
     assert schema["additionalProperties"] is False
     assert schema["required"] == ["name", "model", "pools"]
+
+
+def test_hash_key_prints_the_digest_a_topology_stores() -> None:
+    from orchestrator.tenancy import Tenants, hash_key
+
+    given = CliRunner().invoke(main, ["hash-key", "my-key"])
+    piped = CliRunner().invoke(main, ["hash-key"], input="my-key\n")
+    assert given.exit_code == piped.exit_code == 0
+    assert given.stdout == piped.stdout == hash_key("my-key") + "\n"
+    generated = CliRunner().invoke(main, ["hash-key", "--generate"])
+    key, digest = generated.stdout.split()
+    assert len(key) > 32 and digest == hash_key(key)
+    from orchestrator.config import parse_topology
+
+    topology = parse_topology({
+        "name": "t", "model": {"name": "m", "path": "/m"}, "auth": {"enabled": True},
+        "pools": [{"name": "p", "resources": {"kv_cache_bytes": "1MiB"}}],
+        "tenants": [{"name": "a", "api_keys": [digest]}]})
+    assert Tenants(topology).authenticate(f"Bearer {key}").name == "a"
+    empty = CliRunner().invoke(main, ["hash-key"], input="")
+    assert empty.exit_code == 2 and "KEY" in empty.stderr

@@ -15,6 +15,7 @@ import yaml
 from orchestrator.config import parse_topology
 from orchestrator.deploy import application_config, topology_of
 from orchestrator.helm_schema import values_schema
+from orchestrator.tenancy import Tenants, hash_key, read_key_file
 
 helm = pytest.importorskip("helm_python")
 
@@ -128,13 +129,24 @@ def test_rayservice_applies_what_tokenfab_up_applies(rendered) -> None:
     assert all(head[k] == v for k, v in service["spec"]["selector"].items())
 
 
-def test_tenant_keys_go_to_a_secret_never_the_configmap() -> None:
-    values = yaml.safe_load(EXAMPLES[0].read_text())
-    digest = "a" * 64
-    docs = render(values | {"tenantKeys": {"acme": [digest]}})
+def test_tenant_keys_go_to_a_secret_never_the_configmap(tmp_path: Path) -> None:
+    values = yaml.safe_load((CHART / "examples/llama3-8b-pd-h100.yaml").read_text())
+    digest = hash_key("a-new-key")
+    keys = values["tenantKeys"] | {"acme": [*values["tenantKeys"]["acme"], digest]}
+    docs = render(values | {"tenantKeys": keys})
     by_kind = {doc["kind"]: doc for doc in docs}
-    assert digest in by_kind["Secret"]["stringData"]["tenant-keys.yaml"]
+    secret = by_kind["Secret"]["stringData"]["tenant-keys.yaml"]
+    assert digest in secret
     assert digest not in json.dumps(by_kind["ConfigMap"]) + json.dumps(by_kind["RayService"])
+    topology = parse_topology(yaml.safe_load(by_kind["ConfigMap"]["data"]["topology.yaml"]))
+    assert topology.auth.enabled and topology.auth.key_file == \
+        "/etc/tokenfab-secrets/tenant-keys.yaml"
+    head = by_kind["RayService"]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    mounts = {m["mountPath"] for c in head["spec"]["containers"] for m in c["volumeMounts"]}
+    assert str(Path(topology.auth.key_file).parent) in mounts
+    (tmp_path / "keys.yaml").write_text(secret)  # what the gateway reads there
+    tenants = Tenants(topology, read_key_file(tmp_path / "keys.yaml"))
+    assert tenants.authenticate("Bearer a-new-key").name == "acme"
 
 
 GROUP = {"replicas": 1, "minReplicas": 1, "maxReplicas": 1, "gpusPerPod": 1, "cpu": "8",

@@ -48,6 +48,11 @@ have.
 {{- $gateway := $t.gateway | default dict -}}
 {{- $_ := set $gateway "host" "0.0.0.0" -}}
 {{- $_ := set $t "gateway" $gateway -}}
+{{- if .Values.tenantKeys -}}
+{{- $auth := $t.auth | default dict -}}
+{{- $_ := set $auth "key_file" "/etc/tokenfab-secrets/tenant-keys.yaml" -}}
+{{- $_ := set $t "auth" $auth -}}
+{{- end -}}
 {{- $head := printf "%s-head-svc" (include "tokenfab.fullname" .) -}}
 {{- $_ := set $t "cluster" (dict "node_ip" nil "address" (printf "%s:6379" $head) "dashboard_url" (printf "http://%s:8265" $head)) -}}
 {{- toYaml $t -}}

@@ -1,0 +1,140 @@
+"""Admission of one request: who sends it, may it, and when it may enter the pools.
+
+In order: the API key names a tenant (401), the tenant may use the model (403), the prompt and
+output fit the tenant's size limits (400), its rate and concurrency allowance covers the request
+(429 with Retry-After), and the fair queue gives it a slot (429 if the tenant's queue is full, 503
+after the queue timeout). The body leaves with the tenant's cache salt and, if the client set no
+output length, the tenant's `max_output_tokens`. `finish` gives back what the request did not use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.api_errors import GatewayError
+from orchestrator.config import TenantSpec, Topology
+from orchestrator.fair_queue import FairQueue
+from orchestrator.gateway_metrics import REJECTION_REASONS, UNKNOWN_TENANT, GatewayMetrics
+from orchestrator.limits import Charge, TenantLimiter
+from orchestrator.tenancy import Tenants
+from orchestrator.usage import Usage
+from pools.tokenizer import PromptTokenCounter
+
+DEFAULT_OUTPUT_ESTIMATE = 256  # tokens charged up front when a request sets no max_tokens
+_OUTPUT_FIELDS = {"completions": "max_tokens", "chat": "max_completion_tokens"}
+
+
+@dataclass
+class Ticket:
+    """An admitted request: what it was charged, to settle when it ends."""
+
+    tenant: TenantSpec
+    charge: Charge
+    cost: float
+    prompt_tokens: list[int] | None
+    queued_s: float
+    settled: bool = False
+
+
+def requested_output(endpoint: str, body: dict[str, Any]) -> int | None:
+    """max_tokens (or, for chat, max_completion_tokens) if the request sets a number."""
+    for name in (_OUTPUT_FIELDS[endpoint], "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+class Admission:
+    """One per ingress replica; runs on its event loop (tokenising goes to a thread)."""
+
+    def __init__(self, topology: Topology, metrics: GatewayMetrics, tenants: Tenants) -> None:
+        self.tenants, self.metrics = tenants, metrics
+        self._max_model_len = topology.model.max_model_len
+        share = 1.0 / topology.gateway.replicas
+        now = time.monotonic()
+        self._limiters = {name: TenantLimiter(tenants.spec(name).limits, share, now)
+                          for name in tenants.names}
+        spec = topology.admission
+        self.queue = FairQueue(spec.max_in_flight, spec.max_queued_per_tenant, spec.queue_timeout_s)
+        self._counter = PromptTokenCounter(topology.model.resolved_path)
+        self._count_tokens = spec.max_in_flight is not None or any(
+            t.limits.tokens_per_minute or t.limits.max_prompt_tokens for t in topology.tenants)
+
+    def authenticate(self, authorization: str | None) -> TenantSpec:
+        try:
+            return self.tenants.authenticate(authorization)
+        except GatewayError as exc:
+            self.metrics.rejections.labels(UNKNOWN_TENANT, "invalid_api_key").inc()
+            raise exc from None
+
+    async def admit(self, tenant: TenantSpec, endpoint: str,
+                    body: dict[str, Any]) -> tuple[Ticket, dict[str, Any]]:
+        """Admit the request or raise the GatewayError that refuses it."""
+        try:
+            return await self._admit(tenant, endpoint, body)
+        except GatewayError as exc:
+            if exc.code in REJECTION_REASONS:
+                self.metrics.rejections.labels(tenant.name, exc.code).inc()
+            raise
+
+    async def _admit(self, tenant: TenantSpec, endpoint: str,
+                     body: dict[str, Any]) -> tuple[Ticket, dict[str, Any]]:
+        self.tenants.authorize(tenant, body["model"])
+        body = self._shaped(tenant, endpoint, body)
+        tokens = None
+        if self._count_tokens:
+            tokens = await asyncio.to_thread(self._tokens, endpoint, body)
+        limiter = self._limiters[tenant.name]
+        output = requested_output(endpoint, body)
+        limiter.check_sizes(len(tokens) if tokens is not None else None, output)
+        prompt = len(tokens) if tokens is not None else 0
+        room = max(0, self._max_model_len - prompt)  # what the engine could generate at most
+        cost = prompt + min(room, DEFAULT_OUTPUT_ESTIMATE if output is None else max(0, output))
+        charge = limiter.admit(cost, time.monotonic())
+        self.metrics.queued.labels(tenant.name).inc()
+        try:
+            waited = await self.queue.acquire(tenant.name, cost, tenant.weight, tenant.priority)
+        except BaseException:
+            limiter.release(charge, None, time.monotonic())
+            raise
+        finally:
+            self.metrics.queued.labels(tenant.name).dec()
+        self.metrics.queue.labels(tenant.name).observe(waited)
+        self.metrics.in_flight.labels(tenant.name).inc()
+        return Ticket(tenant, charge, cost, tokens, waited), body
+
+    def finish(self, ticket: Ticket, usage: Usage | None) -> None:
+        """The request ended (answered, failed or abandoned); idempotent."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        name = ticket.tenant.name
+        used = usage.prompt_tokens + usage.completion_tokens if usage is not None else None
+        self._limiters[name].release(ticket.charge, used, time.monotonic())
+        self.queue.release(name, ticket.cost, ticket.cost if used is None else used,
+                           ticket.tenant.weight)
+        self.metrics.in_flight.labels(name).dec()
+        if usage is not None:
+            self.metrics.served(name, usage)
+
+    def _shaped(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The body with the tenant's cache salt and default output length."""
+        client_salt = body.get("cache_salt")
+        if client_salt is not None and not isinstance(client_salt, str):
+            raise GatewayError(400, "cache_salt must be a string", "cache_salt")
+        salt = self.tenants.cache_salt(tenant, client_salt)
+        body = body if salt is None else body | {"cache_salt": salt}
+        limit = tenant.limits.max_output_tokens
+        if limit is not None and requested_output(endpoint, body) is None:
+            body = body | {_OUTPUT_FIELDS[endpoint]: limit}
+        return body
+
+    def _tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        try:
+            return self._counter.tokens(endpoint, body)
+        except Exception:  # unreadable prompt: the engine answers the error itself
+            return None

@@ -1,0 +1,106 @@
+"""Who is asking: API keys to tenants, what a tenant may use, and its prefix-cache salt.
+
+Keys are stored as SHA-256 digests (`sha256:<hex>`), never in clear. A presented key is hashed
+and compared with every stored digest in constant time (no early exit), so response timing says
+nothing about the stored keys.
+
+Cache isolation: vLLM hashes `cache_salt` into a prompt's first KV block, so requests with
+different salts never share cached blocks. Every declared tenant's requests carry the salt of its
+cache group (its own name unless it names a shared `cache_group`), derived here and joined to
+any salt the client sent, so no client can choose another tenant's salt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+import yaml
+
+from orchestrator.api_errors import GatewayError
+from orchestrator.config import TenantSpec, Topology
+
+DEFAULT_TENANT = "default"
+
+
+def hash_key(key: str) -> str:
+    """The digest a topology stores for an API key."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def read_key_file(path: str | Path) -> dict[str, list[str]]:
+    """A key file: a YAML mapping of tenant name to a list of key digests."""
+    data = yaml.safe_load(Path(path).expanduser().read_text()) or {}
+    if not isinstance(data, dict) or not all(
+            isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+            for keys in data.values()):
+        raise ValueError(f"{path}: expected a mapping of tenant name to a list of key digests")
+    return {str(name): list(keys) for name, keys in data.items()}
+
+
+class Tenants:
+    """The tenants of one topology, with their keys (topology and key file merged)."""
+
+    def __init__(self, topology: Topology, extra_keys: dict[str, list[str]] | None = None) -> None:
+        self.auth = topology.auth.enabled
+        self._app = topology.name
+        self._model = topology.model.name
+        self._by_name = {tenant.name: tenant for tenant in topology.tenants}
+        self._implicit_default = DEFAULT_TENANT not in self._by_name
+        self.default = self._by_name.get(DEFAULT_TENANT) or TenantSpec(name=DEFAULT_TENANT)
+        self._by_digest: dict[str, TenantSpec] = {}
+        for tenant in topology.tenants:
+            for digest in tenant.api_keys:
+                self._by_digest[digest] = tenant
+        for name, digests in (extra_keys or {}).items():
+            if name not in self._by_name:
+                raise ValueError(f"key file names tenant {name!r}, which the topology lacks")
+            for digest in digests:
+                self._by_digest[digest] = self._by_name[name]
+
+    @classmethod
+    def from_topology(cls, topology: Topology) -> Tenants:
+        keys = read_key_file(topology.auth.key_file) if topology.auth.key_file else None
+        return cls(topology, keys)
+
+    def spec(self, name: str) -> TenantSpec:
+        return self._by_name.get(name, self.default)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted({*self._by_name, self.default.name})
+
+    def authenticate(self, authorization: str | None) -> TenantSpec:
+        """The tenant an `Authorization: Bearer <key>` header names; 401 if none does."""
+        if not self.auth:
+            return self.default
+        if not authorization:
+            raise GatewayError(401, "missing API key: send Authorization: Bearer <key>",
+                               code="invalid_api_key")
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise GatewayError(401, "malformed Authorization header: expected Bearer <key>",
+                               code="invalid_api_key")
+        digest, found = hash_key(key.strip()), None
+        for stored, tenant in self._by_digest.items():  # every digest, each in constant time
+            if hmac.compare_digest(stored, digest):
+                found = tenant
+        if found is None:
+            raise GatewayError(401, "invalid API key", code="invalid_api_key")
+        return found
+
+    def authorize(self, tenant: TenantSpec, model: str) -> None:
+        """403 unless the tenant may use `model`."""
+        if tenant.models is not None and model not in tenant.models:
+            raise GatewayError(403, f"tenant {tenant.name} may not use model {model!r}",
+                               "model", code="model_not_allowed")
+
+    def cache_salt(self, tenant: TenantSpec, client_salt: str | None) -> str | None:
+        """The salt the engine sees: the tenant's cache group's, then the client's own. The
+        implicit tenant of a topology without auth shares one cache, as a bare engine does."""
+        if tenant is self.default and self._implicit_default:
+            return client_salt
+        group = tenant.cache_group or f"tenant:{tenant.name}"
+        salt = hashlib.sha256(f"tokenfab/{self._app}/{group}".encode()).hexdigest()[:32]
+        return f"{salt}.{client_salt}" if client_salt else salt

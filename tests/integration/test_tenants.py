@@ -1,0 +1,287 @@
+"""The multi-tenant gateway in front of a real engine: keys, permissions, limits, fairness,
+prefix-cache isolation and per-tenant metrics (topology-tenants.yaml)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from orchestrator.config import Topology, load_topology
+from orchestrator.status import gateway_url
+from tests.integration.conftest import ROOT, TOKENFAB, remove_app
+
+TOPOLOGY = ROOT / "tests/integration/topology-tenants.yaml"
+MODEL = "tiny"
+# Long enough for several full KV blocks (128 tokens on CPU), unique to this module
+SHARED_PROMPT = "tenant isolation probe: " + " ".join(f"word{i % 97} green" for i in range(300))
+
+
+@pytest.fixture(scope="module")
+def tenants(ray_cluster) -> Topology:
+    topology = load_topology(TOPOLOGY)
+    result = subprocess.run([TOKENFAB, "up", str(TOPOLOGY), "--timeout", "600"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    yield topology
+    remove_app(topology.name, topology.cluster.dashboard_url)
+
+
+@pytest.fixture(scope="module")
+def root(tenants: Topology) -> str:
+    return gateway_url(tenants)
+
+
+def _client(root: str, key: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{root}/v1", api_key=key or "", max_retries=0,
+                         http_client=httpx.Client(trust_env=False, timeout=120))
+
+
+def _post(root: str, key: str | None, body: dict[str, Any], path: str = "/v1/completions",
+          **kw: Any) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{root}{path}", json=body, headers=headers, trust_env=False, timeout=120,
+                      **kw)
+
+
+def _metric(root: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{root}/metrics", trust_env=False).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_openai_client_with_a_key(root: str) -> None:
+    client = _client(root, "alpha-key")
+    assert [m.id for m in client.models.list()] == [MODEL]
+    completion = client.completions.create(model=MODEL, prompt="Tenants say", max_tokens=8,
+                                           temperature=0)
+    assert completion.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                            messages=[{"role": "user", "content": "hi"}],
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 8
+    # without include_usage the gateway still learns the usage, and the client sees no usage chunk
+    chunks = list(client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "hi"}]))
+    assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+    with pytest.raises(openai.AuthenticationError):
+        _client(root, "wrong-key").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    with pytest.raises(openai.PermissionDeniedError):
+        _client(root, "nomodel-key").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+
+
+@pytest.mark.parametrize("key,status,code", [
+    (None, 401, "invalid_api_key"),
+    ("not-a-key", 401, "invalid_api_key"),
+    ("alpha-key", 200, None),
+    ("alpha-key-2", 200, None),  # the rotated key works beside the old one
+    ("nomodel-key", 403, "model_not_allowed"),
+])
+def test_auth(root: str, key: str | None, status: int, code: str | None) -> None:
+    response = _post(root, key, {"model": MODEL, "prompt": "auth", "max_tokens": 2})
+    assert response.status_code == status, response.text
+    if code is not None:
+        assert response.json()["error"]["code"] == code
+
+
+def test_requests_per_minute_limit_gives_retry_after(root: str) -> None:
+    body = {"model": MODEL, "prompt": "rpm", "max_tokens": 1}
+    statuses = [_post(root, "rpm-key", body).status_code for _ in range(3)]
+    assert statuses == [200, 200, 200]
+    refused = _post(root, "rpm-key", body)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "requests_per_minute"
+    assert 1 <= int(refused.headers["retry-after"]) <= 20  # 3/min: one more every 20 s
+    assert _post(root, "beta-key", body).status_code == 200  # other tenants are not affected
+
+
+def test_tokens_per_minute_limit(root: str) -> None:
+    body = {"model": MODEL, "prompt": "tpm", "max_tokens": 200, "ignore_eos": True}
+    assert _post(root, "tpm-key", body).status_code == 200
+    refused = _post(root, "tpm-key", body)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "tokens_per_minute"
+    assert int(refused.headers["retry-after"]) >= 1
+    too_big = _post(root, "tpm-key", body | {"max_tokens": 1000})
+    assert too_big.status_code == 429 and "more than" in too_big.json()["error"]["message"]
+    assert _post(root, "beta-key", body).status_code == 200
+
+
+def test_concurrency_limit_and_disconnect_frees_the_slot(root: str) -> None:
+    long = {"model": MODEL, "prompt": "concurrency", "max_tokens": 1500, "ignore_eos": True}
+    small = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    with ThreadPoolExecutor(1) as pool:  # 1500 tokens take several seconds on any CPU here
+        holder = pool.submit(_post, root, "single-key", long)
+        time.sleep(0.5)
+        refused = _post(root, "single-key", small)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "concurrency_limit"
+        assert refused.headers["retry-after"] == "1"
+        assert _post(root, "beta-key", small).status_code == 200  # other tenants unaffected
+        assert holder.result().status_code == 200
+    assert _post(root, "single-key", small).status_code == 200
+    # A client that leaves mid-stream frees its slot at once: the gateway aborts the request
+    # (run to the end, 1500 tokens would hold the slot for seconds).
+    with httpx.stream("POST", f"{root}/v1/completions", json=long | {"stream": True},
+                      trust_env=False, timeout=120,
+                      headers={"authorization": "Bearer single-key"}) as running:
+        next(running.iter_lines())
+    left = time.monotonic()
+    while (status := _post(root, "single-key", small).status_code) == 429 and \
+            time.monotonic() - left < 2:
+        time.sleep(0.1)
+    assert status == 200, f"slot still held {time.monotonic() - left:.1f} s after the client left"
+
+
+def test_size_limits_and_default_output_length(root: str) -> None:
+    too_long = _post(root, "sizes-key", {"model": MODEL, "prompt": "word " * 300, "max_tokens": 1})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
+    too_many = _post(root, "sizes-key", {"model": MODEL, "prompt": "x", "max_tokens": 65})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
+    default = _post(root, "sizes-key", {"model": MODEL, "prompt": "x", "ignore_eos": True})
+    assert default.json()["usage"]["completion_tokens"] == 64  # the tenant's max_output_tokens
+
+
+def _cached(root: str, key: str, prompt: str) -> int:
+    response = _post(root, key, {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_prefix_cache_is_isolated_between_tenants(root: str) -> None:
+    assert _cached(root, "alpha-key", SHARED_PROMPT) == 0
+    assert _cached(root, "alpha-key", SHARED_PROMPT) > 0  # the tenant's own repeat hits
+    assert _cached(root, "beta-key", SHARED_PROMPT) == 0  # another tenant's never does
+    # a client cannot reach another tenant's cache by sending a salt of its own
+    response = _post(root, "beta-key", {"model": MODEL, "prompt": SHARED_PROMPT, "max_tokens": 1,
+                                        "cache_salt": "alpha"})
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_tenants_in_a_cache_group_share_hits(root: str) -> None:
+    prompt = SHARED_PROMPT.replace("probe", "group probe")
+    assert _cached(root, "gamma-key", prompt) == 0
+    assert _cached(root, "delta-key", prompt) > 0
+
+
+async def _timed(client: httpx.AsyncClient, key: str, max_tokens: int, tag: str) -> tuple[float, float]:
+    started = time.monotonic()
+    response = await client.post("/v1/completions", headers={"authorization": f"Bearer {key}"},
+                                 json={"model": MODEL, "prompt": f"fairness {tag}",
+                                       "max_tokens": max_tokens, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return started, time.monotonic()
+
+
+async def _heavy_and_light(root: str) -> tuple[float, list[float], list[float]]:
+    async with httpx.AsyncClient(base_url=root, timeout=300, trust_env=False) as client:
+        alone = [(await _timed(client, "light-key", 96, f"alone {i}")) for i in range(2)]
+        service = min(end - start for start, end in alone)
+        heavy = [asyncio.create_task(_timed(client, "heavy-key", 96, f"heavy {i}"))
+                 for i in range(30)]
+        deadline = time.monotonic() + 30  # until the burst fills the 2 slots and the queue
+        while await asyncio.to_thread(_metric, root, "tokenfab_gateway_queued",
+                                      tenant="heavy") < 20 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        light = [await _timed(client, "light-key", 96, f"light {i}") for i in range(3)]
+        heavy_done = await asyncio.gather(*heavy)
+    return service, [end - start for start, end in light], [end - s for s, end in heavy_done]
+
+
+def test_heavy_tenant_does_not_starve_a_light_one(root: str) -> None:
+    """Bound: with 2 slots and 20+ heavy requests queued, a light request waits for at most one
+    slot to free (one service time) and then runs: latency <= 3x its unloaded latency, +0.5 s
+    for this 2-core machine's noise. In arrival order it would wait behind the 20 queued heavy
+    requests (10 service times)."""
+    service, light, heavy = asyncio.run(_heavy_and_light(root))
+    assert max(light) <= 3 * service + 0.5, (service, light)
+    assert statistics.median(heavy) > max(light), (light, heavy)
+    assert _metric(root, "tokenfab_gateway_queue_seconds_count", tenant="heavy") >= 30
+
+
+async def _weighted(root: str) -> list[str]:
+    finished: list[str] = []
+
+    async def one(client: httpx.AsyncClient, key: str, tenant: str, i: int) -> None:
+        await _timed(client, key, 32, f"{tenant} {i}")
+        finished.append(tenant)
+
+    async with httpx.AsyncClient(base_url=root, timeout=300, trust_env=False) as client:
+        tasks = []
+        for i in range(12):
+            for key, tenant in (("double-key", "double"), ("single-weight-key", "single")):
+                tasks.append(asyncio.create_task(one(client, key, tenant, i)))
+        await asyncio.gather(*tasks)
+    return finished
+
+
+def test_backlogged_tenants_are_served_by_weight(root: str) -> None:
+    """Both tenants keep 12 equal requests waiting; weights 2:1. While both are backlogged (the
+    first 12 completions), the weight-2 tenant gets 8 of 12, give or take 2."""
+    finished = asyncio.run(_weighted(root))
+    assert 6 <= finished[:12].count("double") <= 10, finished
+
+
+def test_per_tenant_metrics_without_prompt_text(root: str) -> None:
+    text = httpx.get(f"{root}/metrics", trust_env=False).text
+    assert "tenant isolation probe" not in text and "fairness" not in text
+    assert _metric(root, "tokenfab_gateway_requests_total", tenant="alpha", code="200") >= 3
+    assert _metric(root, "tokenfab_gateway_requests_total", tenant="-", code="401") >= 2
+    assert _metric(root, "tokenfab_gateway_rejections_total", tenant="rpm",
+                   reason="requests_per_minute") >= 1
+    assert _metric(root, "tokenfab_gateway_tokens_total", tenant="alpha", kind="cached") > 0
+    assert _metric(root, "tokenfab_gateway_tokens_total", tenant="beta", kind="cached") == 0
+    assert _metric(root, "tokenfab_gateway_tokens_total", tenant="alpha", kind="completion") >= 8
+    assert _metric(root, "tokenfab_gateway_ttft_seconds_count", tenant="alpha") >= 2
+    assert _metric(root, "tokenfab_gateway_itl_seconds_count", tenant="alpha") >= 7
+
+
+def test_health_and_ready(root: str) -> None:
+    assert httpx.get(f"{root}/health", trust_env=False).json() == {"status": "ok"}
+    ready = httpx.get(f"{root}/ready", trust_env=False)
+    assert ready.status_code == 200 and ready.json()["ready_replicas"] == {"main": 1}
+
+
+BAD = [
+    # (id, raw body, status, substring of the message, param)
+    ("invalid-utf8", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "not valid JSON", None),
+    ("unknown-field", b'{"model": "tiny", "prompt": "x", "colour": "red"}', 400,
+     "Unrecognized request argument supplied: colour", "colour"),
+    ("absurd-max-tokens", b'{"model": "tiny", "prompt": "x", "max_tokens": 1000000000000}', 400,
+     "max_tokens", None),
+    ("negative-n", b'{"model": "tiny", "prompt": "x", "n": -1}', 400, "n must be", None),
+    ("negative-temperature", b'{"model": "tiny", "prompt": "x", "temperature": -1}', 400,
+     "temperature", "temperature"),
+    ("top-p-above-one", b'{"model": "tiny", "prompt": "x", "top_p": 5}', 400, "top_p", "top_p"),
+    ("salt-not-a-string", b'{"model": "tiny", "prompt": "x", "cache_salt": 7}', 400,
+     "cache_salt", "cache_salt"),
+]
+
+
+@pytest.mark.parametrize("body,status,message,param", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_input_with_a_key(root: str, body: bytes, status: int, message: str,
+                              param: str | None) -> None:
+    response = httpx.post(f"{root}/v1/completions", content=body, trust_env=False, timeout=60,
+                          headers={"content-type": "application/json",
+                                   "authorization": "Bearer beta-key"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+    assert _post(root, "beta-key", {"model": MODEL, "prompt": "still fine", "max_tokens": 1}
+                 ).status_code == 200

@@ -1,0 +1,183 @@
+"""Tenants, keys, cache salts, per-tenant limits, usage accounting: the pure parts."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.api_errors import GatewayError
+from orchestrator.config import TenantLimits, parse_topology
+from orchestrator.errors import TopologyError
+from orchestrator.limits import TenantLimiter, TokenBucket
+from orchestrator.tenancy import Tenants, hash_key, read_key_file
+from orchestrator.usage import StreamMeter, request_usage, usage_of
+
+BASE = {"name": "t", "model": {"name": "tiny", "path": "/m"},
+        "pools": [{"name": "main", "role": "unified", "resources": {"kv_cache_bytes": "64MiB"}}]}
+
+
+def topology(**extra):
+    return parse_topology(BASE | extra)
+
+
+def tenants_doc():
+    return [
+        {"name": "acme", "api_keys": [hash_key("acme-old"), hash_key("acme-new")]},
+        {"name": "beta", "api_keys": [hash_key("beta-1")], "models": ["tiny"],
+         "cache_group": "shared"},
+        {"name": "gamma", "api_keys": [hash_key("gamma-1")], "cache_group": "shared"},
+    ]
+
+
+def test_keys_map_to_tenants_and_rotate() -> None:
+    tenants = Tenants(topology(auth={"enabled": True}, tenants=tenants_doc()))
+    assert tenants.authenticate("Bearer acme-old").name == "acme"
+    assert tenants.authenticate("Bearer acme-new").name == "acme"
+    assert tenants.authenticate("bearer beta-1").name == "beta"
+    for header, message in [(None, "missing API key"), ("Bearer nope", "invalid API key"),
+                            ("Basic acme-old", "malformed"), ("Bearer ", "malformed")]:
+        with pytest.raises(GatewayError) as info:
+            tenants.authenticate(header)
+        assert info.value.status == 401 and message in info.value.message
+
+
+def test_auth_off_is_one_default_tenant_without_salt() -> None:
+    tenants = Tenants(topology())
+    assert tenants.authenticate(None).name == "default"
+    assert tenants.cache_salt(tenants.default, None) is None
+    assert tenants.cache_salt(tenants.default, "mine") == "mine"
+
+
+def test_cache_salts_isolate_tenants_unless_they_share_a_group() -> None:
+    tenants = Tenants(topology(auth={"enabled": True}, tenants=tenants_doc()))
+    acme, beta, gamma = (tenants.spec(n) for n in ("acme", "beta", "gamma"))
+    assert tenants.cache_salt(acme, None) != tenants.cache_salt(beta, None)
+    assert tenants.cache_salt(beta, None) == tenants.cache_salt(gamma, None)
+    # a client cannot pick another tenant's salt: its own is appended to its tenant's
+    assert tenants.cache_salt(acme, tenants.cache_salt(beta, None)) != \
+        tenants.cache_salt(beta, None)
+
+
+def test_model_permission_is_403() -> None:
+    doc = tenants_doc()
+    doc[0]["models"] = []
+    tenants = Tenants(topology(auth={"enabled": True}, tenants=doc))
+    with pytest.raises(GatewayError) as info:
+        tenants.authorize(tenants.spec("acme"), "tiny")
+    assert info.value.status == 403 and info.value.param == "model"
+    tenants.authorize(tenants.spec("beta"), "tiny")
+
+
+def test_key_file_adds_keys_and_rejects_unknown_tenants(tmp_path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"acme: ['{hash_key('from-file')}']\n")
+    tenants = Tenants(topology(auth={"enabled": True, "key_file": str(path)},
+                               tenants=tenants_doc()), read_key_file(path))
+    assert tenants.authenticate("Bearer from-file").name == "acme"
+    with pytest.raises(ValueError, match="zeta"):
+        Tenants(topology(tenants=tenants_doc()), {"zeta": [hash_key("x")]})
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"auth": {"enabled": True}}, "auth.enabled needs tenants"),
+    ({"tenants": [{"name": "a"}, {"name": "a"}]}, "tenant names must be unique"),
+    ({"tenants": [{"name": "a", "api_keys": ["plain-text-key"]}]}, "tenants.0.api_keys.0"),
+    ({"tenants": [{"name": "a", "models": ["gpt-9"]}]}, "not served"),
+    ({"tenants": [{"name": "a", "weight": 0}]}, "tenants.0.weight"),
+    ({"tenants": [{"name": "a", "limits": {"requests_per_minute": -1}}]},
+     "tenants.0.limits.requests_per_minute"),
+    ({"tenants": [{"name": "a", "priority": "urgent"}]}, "tenants.0.priority"),
+    ({"tenants": [{"name": "a", "colour": "red"}]}, "tenants.0.colour"),
+    ({"admission": {"max_in_flight": 0}}, "admission.max_in_flight"),
+])
+def test_bad_tenant_config_names_the_field(extra, message) -> None:
+    with pytest.raises(TopologyError) as info:
+        topology(**extra)
+    assert message in str(info.value)
+
+
+def test_token_bucket_refills_by_the_minute() -> None:
+    bucket = TokenBucket(600, now=0.0)  # 10 per second
+    bucket.take(600, now=0.0)
+    assert bucket.wait_s(100, now=0.0) == pytest.approx(10.0)
+    assert bucket.wait_s(100, now=4.0) == pytest.approx(6.0)
+    bucket.give_back(50, now=4.0)
+    assert bucket.wait_s(100, now=4.0) == pytest.approx(1.0)
+    assert bucket.wait_s(600, now=1000.0) == 0.0  # never above one minute's allowance
+    bucket.take(600, now=1000.0)
+    assert bucket.wait_s(1, now=1000.0) > 0
+
+
+def test_limiter_worked_example_from_the_docstring() -> None:
+    limiter = TenantLimiter(TenantLimits(tokens_per_minute=6000), share=1.0, now=0.0)
+    charge = limiter.admit(6000, now=0.0)
+    with pytest.raises(GatewayError) as info:
+        limiter.admit(600, now=0.0)
+    assert info.value.status == 429 and info.value.retry_after_s == pytest.approx(6.0)
+    assert info.value.response().headers["retry-after"] == "6"
+    limiter.release(charge, used_tokens=6000 - 80, now=0.0)
+    with pytest.raises(GatewayError) as info:
+        limiter.admit(600, now=0.0)
+    assert info.value.retry_after_s == pytest.approx(5.2)
+    assert info.value.response().headers["retry-after"] == "6"
+
+
+def test_limiter_requests_concurrency_and_sizes() -> None:
+    limiter = TenantLimiter(TenantLimits(requests_per_minute=2, max_concurrent=1,
+                                         max_prompt_tokens=10, max_output_tokens=5),
+                            share=1.0, now=0.0)
+    first = limiter.admit(1, now=0.0)
+    with pytest.raises(GatewayError, match="concurrent") as info:
+        limiter.admit(1, now=0.0)
+    assert info.value.retry_after_s == 1.0
+    limiter.release(first, None, now=0.0)
+    limiter.release(limiter.admit(1, now=0.0), None, now=0.0)
+    with pytest.raises(GatewayError, match="requests_per_minute") as info:
+        limiter.admit(1, now=0.0)
+    assert info.value.retry_after_s == pytest.approx(30.0)
+    for prompt, output, param in [(11, 1, "prompt"), (1, 6, "max_tokens")]:
+        with pytest.raises(GatewayError) as info:
+            limiter.check_sizes(prompt, output)
+        assert (info.value.status, info.value.param) == (400, param)
+    limiter.check_sizes(10, 5)
+
+
+def test_limits_are_shared_between_ingress_replicas() -> None:
+    limiter = TenantLimiter(TenantLimits(requests_per_minute=10), share=0.5, now=0.0)
+    for _ in range(5):
+        limiter.admit(0, now=0.0)
+    with pytest.raises(GatewayError):
+        limiter.admit(0, now=0.0)
+
+
+def test_a_request_larger_than_the_minute_is_refused_outright() -> None:
+    limiter = TenantLimiter(TenantLimits(tokens_per_minute=100), share=1.0, now=0.0)
+    with pytest.raises(GatewayError, match="more than") as info:
+        limiter.admit(101, now=0.0)
+    assert info.value.status == 429
+
+
+def test_usage_of_replies_and_streams() -> None:
+    usage = usage_of(b'{"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, '
+                     b'"prompt_tokens_details": {"cached_tokens": 4}}}')
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (7, 3, 4)
+    assert usage_of(b'{"error": {}}') is None and usage_of(b"not json") is None
+    body, wanted = request_usage({"stream": True, "prompt": "x"})
+    assert body["stream_options"] == {"include_usage": True} and not wanted
+    assert request_usage({"stream": True, "stream_options": {"include_usage": True}})[1]
+    assert request_usage({"prompt": "x"}) == ({"prompt": "x"}, False)
+
+    meter = StreamMeter(started=0.0, client_wants_usage=False)
+    chat_role = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+    token = b'data: {"choices": [{"delta": {"content": "hi"}}], "usage": null}\n\n'
+    final = b'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}}\n\n'
+    assert meter.feed(chat_role, 0.5) == chat_role
+    assert meter.feed(token, 1.0) == token
+    assert meter.feed(token + token, 1.25) == token + token
+    assert meter.feed(final, 1.3) == b""  # the client did not ask for usage
+    assert meter.feed(b"data: [DONE]\n\n", 1.3) == b"data: [DONE]\n\n"
+    assert meter.first_token_s == 1.0 and meter.gaps == [0.25, 0.0]
+    partial = b'data: {"choices": [{"delta": {"content": ""}, "finish_reason": null}]}\n\n'
+    assert meter.feed(partial, 2.0) == partial and meter.gaps[-1] == 0.75  # a token, no text yet
+    assert meter.usage.completion_tokens == 2
+    kept = StreamMeter(started=0.0, client_wants_usage=True)
+    assert kept.feed(final, 1.0) == final
