@@ -6,7 +6,8 @@ the engine:
 
 - tokenfab: HTTP -> Ray Serve proxy -> gateway (API key, tenant limits, fair queue, KV-aware
   routing key) -> pool replica. Baseline: the same request sent straight to the pool replica
-  through its Serve handle ("calling the engine pool directly").
+  through its Serve handle, with the one-call method the gateway uses for non-streamed requests
+  ("calling the engine pool directly").
 - vLLM: HTTP -> vLLM's API server -> engine. Baseline: the same request through vLLM's own
   OpenAI serving code in-process (pools.vllm_engine.VllmEngine, what a pool replica runs), no HTTP.
 
@@ -126,9 +127,9 @@ def tokenfab(count: int, seconds: float) -> dict[str, Any]:
         handle = serve.get_deployment_handle("pool-main", topology.name)
         loop = asyncio.new_event_loop()
 
-        async def direct() -> None:
-            async for _ in handle.options(stream=True).reply.remote("completions", BODY):
-                pass
+        async def direct() -> None:  # the replica's one-call method, as the gateway uses it
+            head, _ = await handle.reply_whole.remote("completions", BODY)
+            assert head.status == 200
 
         headers = {"authorization": f"Bearer {KEY}"}
         http = httpx.Client(trust_env=False, timeout=60)

@@ -1,7 +1,7 @@
 """The Grafana dashboard (deploy/dashboards/tokenfab.json), built from the panel list below.
 
-Two scrape targets feed it: the gateway's `/metrics` (tokenfab_* series: routing, P/D, and every
-pool replica's load, cache and transfer numbers, see `pool_metrics`) and each Ray node's metrics
+Two scrape targets feed it: the gateway's `/metrics` (tokenfab_* series: tenants, routing, P/D,
+and every pool replica's load, cache and transfer numbers, see `pool_metrics`) and each Ray node's metrics
 agent (vLLM's own engine series, `ray_vllm_*`, labelled with the Serve `ReplicaId`). vLLM's latency
 histograms are grouped by pool by joining on `tokenfab_replica_info`.
 
@@ -62,6 +62,36 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ]),
         ("KV cache usage per replica", "percentunit", [
             ("tokenfab_replica_kv_cache_usage", "{{pool}} {{ReplicaId}}"),
+        ]),
+    ]),
+    ("Tenants", [
+        ("Requests/s per tenant and status", "reqps", [
+            ("sum by (tenant, code) (rate(tokenfab_gateway_requests_total[$__rate_interval]))",
+             "{{tenant}} {{code}}"),
+        ]),
+        ("Rejections/s per tenant and reason", "reqps", [
+            ("sum by (tenant, reason) "
+             "(rate(tokenfab_gateway_rejections_total[$__rate_interval])) > 0",
+             "{{tenant}} {{reason}}"),
+        ]),
+        ("Tokens/s served per tenant", "short", [
+            ("sum by (tenant, kind) (rate(tokenfab_gateway_tokens_total[$__rate_interval]))",
+             "{{tenant}} {{kind}}"),
+        ]),
+        ("Time to first token per tenant (gateway, queueing included)", "s", [
+            ("histogram_quantile(0.9, sum by (tenant, le) "
+             "(rate(tokenfab_gateway_ttft_seconds_bucket[$__rate_interval])))", "p90 {{tenant}}"),
+        ]),
+        ("Inter-token latency per tenant", "s", [
+            ("histogram_quantile(0.9, sum by (tenant, le) "
+             "(rate(tokenfab_gateway_itl_seconds_bucket[$__rate_interval])))", "p90 {{tenant}}"),
+        ]),
+        ("Fair queue: waiting, in flight, wait p90", "short", [
+            ("sum by (tenant) (tokenfab_gateway_queued)", "waiting {{tenant}}"),
+            ("sum by (tenant) (tokenfab_gateway_in_flight)", "in flight {{tenant}}"),
+            ("histogram_quantile(0.9, sum by (tenant, le) "
+             "(rate(tokenfab_gateway_queue_seconds_bucket[$__rate_interval])))",
+             "wait p90 {{tenant}} (s)"),
         ]),
     ]),
     ("Prefix cache and routing", [

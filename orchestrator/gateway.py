@@ -117,6 +117,24 @@ class Gateway:
         replies = handle.options(stream=True).reply.remote(endpoint, body, route=key)
         return self._routers.tracked(pool, key, replies) if key is not None else replies
 
+    async def _whole(self, endpoint: Endpoint, body: dict[str, Any],
+                     tokens: list[int] | None) -> tuple[ReplyHead, bytes]:
+        """A non-streamed request to a unified pool, in one call, within the deadline."""
+        pool, handle = next(self._unified)
+        key = await self._routers.key(pool, endpoint, body, tokens)
+        response = handle.reply_whole.remote(endpoint, body, route=key)
+        timeout = self._topology.gateway.request_timeout_s
+        try:
+            return await asyncio.wait_for(response, timeout)
+        except TimeoutError as exc:
+            response.cancel()
+            raise GatewayError(504, f"no reply from the engine within {timeout:g} s") from exc
+        except (ray.exceptions.RayError, RayServeException) as exc:
+            logger.warning("pool replica failed: %s", exc)
+            raise GatewayError(503, "engine replica unavailable; retry") from exc
+        finally:
+            self._routers.finished(pool, key)
+
     def __del__(self) -> None:
         self._routers.close()
 
@@ -257,6 +275,12 @@ class Gateway:
 
     async def _dispatch(self, endpoint: Endpoint, body: dict[str, Any], ticket: Ticket,
                         started: float, request_id: str) -> Response:
+        if not body.get("stream") and self._unified is not None:
+            head, payload = await self._whole(endpoint, body, ticket.prompt_tokens)
+            usage = usage_of(payload) if head.status == 200 else Usage()  # errors serve nothing
+            self._admission.finish(ticket, usage)
+            return Response(payload, head.status, {"x-tokenfab-replica": head.replica_id},
+                            media_type="application/json")
         body, client_wants_usage = request_usage(body)
         replies = await self._replies(endpoint, body, ticket.prompt_tokens)
         head = await self._next(replies)

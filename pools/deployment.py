@@ -149,6 +149,17 @@ class PoolReplica:
         finally:
             self._in_flight -= 1
 
+    async def reply_whole(self, endpoint: Endpoint, body: dict,
+                          route: RouteKey | None = None) -> tuple[ReplyHead, bytes]:
+        """A non-streamed request's whole answer in one call (cheaper than a streaming call)."""
+        head, parts = None, []
+        async for item in self.reply(endpoint, body, route):
+            if isinstance(item, ReplyHead):
+                head = item
+            else:
+                parts.append(item)
+        return head, b"".join(parts)
+
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and replaces it.
 

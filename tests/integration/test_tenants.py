@@ -121,20 +121,23 @@ def test_tokens_per_minute_limit(root: str) -> None:
 
 
 def test_concurrency_limit_and_disconnect_frees_the_slot(root: str) -> None:
-    long = {"model": MODEL, "prompt": "concurrency", "max_tokens": 1500, "ignore_eos": True}
+    # 8 sequences x 2000 tokens: 16,000 tokens hold the tenant's one slot for several seconds
+    long = {"model": MODEL, "prompt": "concurrency", "max_tokens": 2000, "n": 8,
+            "ignore_eos": True}
     small = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-    with ThreadPoolExecutor(1) as pool:  # 1500 tokens take several seconds on any CPU here
+    with ThreadPoolExecutor(1) as pool:
         holder = pool.submit(_post, root, "single-key", long)
-        time.sleep(0.5)
+        time.sleep(1.0)  # admitted by then: the gateway is idle apart from it
         refused = _post(root, "single-key", small)
-        assert refused.status_code == 429
+        assert not holder.done(), "the long request ended before the check: make it longer"
+        assert refused.status_code == 429, refused.text
         assert refused.json()["error"]["code"] == "concurrency_limit"
         assert refused.headers["retry-after"] == "1"
         assert _post(root, "beta-key", small).status_code == 200  # other tenants unaffected
         assert holder.result().status_code == 200
     assert _post(root, "single-key", small).status_code == 200
     # A client that leaves mid-stream frees its slot at once: the gateway aborts the request
-    # (run to the end, 1500 tokens would hold the slot for seconds).
+    # (run to the end, it would hold the slot for many seconds).
     with httpx.stream("POST", f"{root}/v1/completions", json=long | {"stream": True},
                       trust_env=False, timeout=120,
                       headers={"authorization": "Bearer single-key"}) as running:
