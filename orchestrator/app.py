@@ -63,13 +63,41 @@ def request_router_config(policy: str) -> RequestRouterConfig | None:
     return RequestRouterConfig(request_router_class="router.serve_router:ServiceRequestRouter")
 
 
+def autoscaling_config(topology: Topology, pool: PoolSpec) -> dict[str, Any]:
+    """Serve's autoscaling for a pool: tokenfab's policy (autoscaler.serve_policy) with the
+    topology's targets. Serve's own delays are off: the policy keeps its own."""
+    spec = topology.autoscaler
+    if spec.policy == "ray_requests":
+        return {"min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
+                "initial_replicas": pool.replicas,
+                "target_ongoing_requests": spec.target_ongoing_requests}
+    return {
+        "min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
+        "initial_replicas": pool.replicas,
+        "metrics_interval_s": spec.interval_s, "look_back_period_s": spec.look_back_s,
+        "upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0,
+        "policy": {"policy_function": "autoscaler.serve_policy:PoolPolicy", "policy_kwargs": {
+            "app": topology.name, "pool": pool.name, "role": pool.role,
+            "min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
+            "ttft_p90_s": spec.ttft_p90_s, "itl_p90_s": spec.itl_p90_s,
+            "max_kv_usage": spec.max_kv_usage, "target_ongoing": spec.target_ongoing_requests,
+            "max_waiting_per_replica": spec.max_waiting_per_replica,
+            "scale_down_margin": spec.scale_down_margin,
+            "downscale_delay_s": spec.downscale_delay_s, "idle_to_zero_s": spec.idle_to_zero_s,
+        }},
+    }
+
+
 def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
     resources = pool.resources
     routing = request_router_config(routing_policy(topology, pool))
     extra = {"request_router_config": routing} if routing is not None else {}
+    if topology.autoscaled(pool):
+        extra |= {"num_replicas": "auto", "autoscaling_config": autoscaling_config(topology, pool)}
+    else:
+        extra["num_replicas"] = pool.replicas
     deployment = serve.deployment(PoolReplica).options(
         name=pool_deployment_name(pool.name),
-        num_replicas=pool.replicas,
         max_ongoing_requests=pool.max_ongoing_requests,
         ray_actor_options={
             "num_cpus": resources.cpus,

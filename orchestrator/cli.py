@@ -180,16 +180,19 @@ def _serve_until_interrupted(topology: Topology, stop_ray: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(app: str | None, dashboard: str, as_json: bool) -> None:
     """Pools, replicas, health and load."""
-    from orchestrator.status import collect, render
+    from orchestrator.status import collect, collect_scaling, render, render_scaling
 
     try:
         rows, counters = collect(dashboard, app)
+        scaling = collect_scaling(dashboard, app)
     except TokenfabError as exc:
         _fail(exc)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     click.echo(render(rows))
+    if scaling:
+        click.echo(render_scaling(scaling))
     if counters:
         click.echo("prefill/decode: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
 
@@ -212,6 +215,11 @@ def scale(pool: str, replicas: int, app: str | None, dashboard: str, timeout: fl
                  for p in topology.pools]
         if pool not in {p.name for p in topology.pools}:
             raise TopologyError([f"pool {pool!r} is not in application {topology.name!r}"])
+        if topology.autoscaled(topology.pool(pool)):
+            spec = topology.pool(pool)
+            raise TopologyError([f"pool {pool!r} is autoscaled between {spec.min_replicas} and "
+                                 f"{spec.max_replicas} replicas: change its bounds in the "
+                                 "topology, or set autoscaler.enabled: false"])
         data: dict[str, Any] = topology.model_dump() | {"pools": pools}
         updated = parse_topology(data, f"scale {pool} {replicas}")
         client.deploy(updated)

@@ -314,9 +314,31 @@ class ClusterSpec(_Strict):
 
 
 class AutoscalerSpec(_Strict):
-    """Reserved for the autoscaler; only `enabled: false` is accepted for now."""
+    """Sizes every pool whose min_replicas < max_replicas against these targets (the policy is
+    explained in autoscaler/policy.py); other pools keep their replica count."""
 
-    enabled: Literal[False] = Field(False, description="The autoscaler is not available yet.")
+    enabled: bool = Field(True, description="Scale pools with min_replicas < max_replicas.")
+    policy: Literal["tokenfab", "ray_requests"] = Field(
+        "tokenfab", description="tokenfab: the signal-based policy (autoscaler/policy.py); "
+        "ray_requests: Ray Serve's own ongoing-requests policy with its default delays, "
+        "target target_ongoing_requests (a baseline).")
+    ttft_p90_s: float = Field(2.0, gt=0, description="TTFT target of prefill and unified pools.")
+    itl_p90_s: float = Field(
+        0.25, gt=0, description="Inter-token latency target of decode and unified pools.")
+    max_kv_usage: float = Field(0.85, gt=0, le=1, description="KV cache usage that asks for more.")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Requests one replica serves within the targets (capacity).")
+    max_waiting_per_replica: float = Field(
+        4.0, ge=0, description="Waiting requests per replica that count as a burst.")
+    scale_down_margin: float = Field(
+        0.5, gt=0, lt=1, description="Scale down only when every signal is under this share of "
+        "its target and the load fits one replica fewer.")
+    downscale_delay_s: float = Field(30.0, ge=0, description="Calm time before each step down.")
+    idle_to_zero_s: float = Field(
+        300.0, gt=0, description="Idle time before a pool with min_replicas 0 goes to zero.")
+    interval_s: float = Field(1.0, gt=0, description="How often each pool is decided.")
+    look_back_s: float = Field(
+        5.0, gt=0, description="Window over which replicas' signals are averaged.")
 
 
 class Topology(_Strict):
@@ -384,6 +406,11 @@ class Topology(_Strict):
             raise ValueError("router.policy kv_aware reads the engines' KV events: set "
                              "kv_events.enabled to true or choose prefix_approx")
         return self
+
+    def autoscaled(self, pool: PoolSpec) -> bool:
+        """Whether the autoscaler sizes this pool."""
+        return (self.autoscaler.enabled and pool.min_replicas is not None
+                and pool.max_replicas is not None and pool.min_replicas < pool.max_replicas)
 
     def pool(self, name: str) -> PoolSpec:
         return next(pool for pool in self.pools if pool.name == name)

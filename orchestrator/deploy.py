@@ -24,8 +24,9 @@ def _without_counts(topology: Topology) -> dict[str, Any]:
     """The topology with every pool at its lowest valid count. Serve hashes `args` into the
     code version and restarts replicas when it changes, so counts travel as overrides instead."""
     data = topology.model_dump(mode="json")
-    for pool in data["pools"]:
-        pool["replicas"] = max(1, pool["min_replicas"] or 0)
+    for spec, pool in zip(topology.pools, data["pools"]):
+        if not topology.autoscaled(spec):  # autoscaled: `replicas` is Serve's initial count
+            pool["replicas"] = max(1, pool["min_replicas"] or 0)
     return data
 
 
@@ -36,8 +37,9 @@ def application_config(topology: Topology) -> dict[str, Any]:
         "route_prefix": topology.gateway.route_prefix,
         "import_path": IMPORT_PATH,
         "args": {"topology": _without_counts(topology)},
-        "deployments": [
-            {"name": pool_deployment_name(pool.name), "num_replicas": pool.replicas}
+        "deployments": [  # autoscaled pools: Serve owns the count (autoscaler.serve_policy)
+            {"name": pool_deployment_name(pool.name)}
+            | ({} if topology.autoscaled(pool) else {"num_replicas": pool.replicas})
             for pool in topology.pools
         ],
     }

@@ -180,6 +180,12 @@ class Gateway:
         reports = await get_registry(self._topology.name).snapshot.remote()
         return [msgspec.to_builtins(report) for report in reports]
 
+    @app.get("/tokenfab/autoscaler")
+    async def autoscaler(self) -> list[dict[str, Any]]:
+        """The autoscaler's latest decision per autoscaled pool."""
+        records = await get_registry(self._topology.name).scaling.remote()
+        return [msgspec.to_builtins(record) for record in records]
+
     @app.get("/tokenfab/router")
     async def router_status(self) -> dict[str, Any]:
         """This ingress replica, and per routed pool: policy, block map size, and per replica

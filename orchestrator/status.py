@@ -100,3 +100,18 @@ def render(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
                      for line in table)
+
+
+def collect_scaling(dashboard_url: str, app: str | None) -> list[dict[str, Any]]:
+    """The autoscaler's latest decision per autoscaled pool (empty when none is)."""
+    topology = deployed_topology(ServeClient(dashboard_url), app)
+    return _from_gateway(topology, "/tokenfab/autoscaler") or []
+
+
+def render_scaling(records: list[dict[str, Any]]) -> str:
+    lines = ["autoscaler:"]
+    for r in records:
+        lines.append(f"  {r['pool']}: {r['current']} -> {r['desired']} replicas "
+                     f"(bounds {r['min_replicas']}..{r['max_replicas']}; targets TTFT p90 "
+                     f"{r['ttft_p90_s']:g}s, ITL p90 {r['itl_p90_s']:g}s); last: {r['reason']}")
+    return "\n".join(lines)

@@ -172,6 +172,12 @@ class PoolReplica:
         if self._side_channel is not None:
             await _check_listening(self._side_channel)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Polled by Serve for the pool's autoscaling policy (autoscaler.serve_policy)."""
+        if self._state != "ready":
+            return {}
+        return msgspec.structs.asdict(self._engine.signals())
+
     def record_routing_stats(self) -> dict[str, float]:
         """Polled by Serve and exposed to request routers as `RunningReplica.routing_stats`."""
         return msgspec.structs.asdict(self._load()) | {"ready": float(self._state == "ready")}

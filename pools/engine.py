@@ -99,4 +99,6 @@ class Engine(Protocol):
 
     def load(self) -> LoadSnapshot: ...
 
+    def signals(self) -> Any: ...  # autoscaler.signals.ReplicaSignals
+
     def shutdown(self) -> None: ...

@@ -39,6 +39,20 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     reported_at: float = 0.0
 
 
+class ScaleRecord(msgspec.Struct, frozen=True):
+    """The autoscaler's latest decision for one pool."""
+
+    pool: str
+    current: int
+    desired: int
+    reason: str
+    at: float
+    min_replicas: int
+    max_replicas: int
+    ttft_p90_s: float
+    itl_p90_s: float
+
+
 def registry_name(app: str) -> str:
     return f"registry-{app}"
 
@@ -50,9 +64,16 @@ class ReplicaRegistry:
     def __init__(self, ttl_s: float = 10.0) -> None:
         self._ttl_s = ttl_s
         self._reports: dict[str, ReplicaReport] = {}
+        self._scaling: dict[str, ScaleRecord] = {}
 
     def report(self, report: ReplicaReport) -> None:
         self._reports[report.replica_id] = msgspec.structs.replace(report, reported_at=time.time())
+
+    def record_scale(self, record: ScaleRecord) -> None:
+        self._scaling[record.pool] = record
+
+    def scaling(self) -> list[ScaleRecord]:
+        return sorted(self._scaling.values(), key=lambda r: r.pool)
 
     def forget(self, replica_id: str) -> None:
         self._reports.pop(replica_id, None)

@@ -14,8 +14,11 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
+from autoscaler.signals import ReplicaSignals, Window
 from orchestrator.errors import EngineDeadError
 from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, openai_error
+
+SIGNAL_WINDOW_S = 10.0  # latencies and token rates the autoscaler sees are over this window
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +68,19 @@ def build_engine_args(spec: EngineSpec) -> Any:
 class _LoadRecorder:
     """Keeps the latest scheduler stats; vLLM calls `record` once per engine step."""
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float = SIGNAL_WINDOW_S) -> None:
         self.snapshot = LoadSnapshot()
+        self._ttft, self._itl = Window(window_s), Window(window_s)
+        self._prompt, self._generated = Window(window_s), Window(window_s)
+
+    def signals(self) -> ReplicaSignals:
+        """The autoscaler's view of this engine: load now, latencies and rates of the window."""
+        snap = self.snapshot
+        return ReplicaSignals(
+            running=float(snap.running), waiting=float(snap.waiting),
+            kv_cache_usage=snap.kv_cache_usage, ttft_p90_s=self._ttft.p90(),
+            itl_p90_s=self._itl.p90(), prompt_tokens_per_s=self._prompt.rate(),
+            generation_tokens_per_s=self._generated.rate())
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -106,6 +120,12 @@ class _LoadRecorder:
 
     def count_tokens(self, iteration: Any) -> None:
         old, prompt = self.snapshot, iteration.prompt_token_stats
+        for seconds in iteration.time_to_first_tokens_iter:
+            self._ttft.add(seconds)
+        for seconds in iteration.inter_token_latencies_iter:
+            self._itl.add(seconds)
+        self._prompt.add(prompt.computed)
+        self._generated.add(iteration.num_generation_tokens)
         self.snapshot = msgspec.structs.replace(
             old,
             generation_tokens=old.generation_tokens + iteration.num_generation_tokens,
@@ -243,6 +263,9 @@ class VllmEngine:
 
     def load(self) -> LoadSnapshot:
         return self._recorder.snapshot
+
+    def signals(self) -> ReplicaSignals:
+        return self._recorder.signals()
 
     def shutdown(self) -> None:
         if self._llm is not None:

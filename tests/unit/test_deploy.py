@@ -8,10 +8,12 @@ from orchestrator.config import Topology, parse_topology
 from orchestrator.deploy import IMPORT_PATH, application_config, topology_of
 
 
-def topology(main: int = 3, side: int = 1, **engine_args: Any) -> Topology:
-    """Two CPU pools: `main` autoscales within 2..4, `side` has no bounds."""
+def topology(main: int = 3, side: int = 1, autoscaler: bool = False,
+             **engine_args: Any) -> Topology:
+    """Two CPU pools: `main` has bounds 2..4 (scaled by hand unless `autoscaler`), `side` none."""
     return parse_topology({
         "name": "app",
+        "autoscaler": {"enabled": autoscaler},
         "model": {"name": "m", "path": "/models/m"},
         "engine_args": engine_args,
         "gateway": {"route_prefix": "/llm"},
@@ -52,3 +54,21 @@ def test_only_counts_differ_gives_identical_args() -> None:
 def test_engine_args_change_args() -> None:
     assert application_config(topology(max_num_seqs=4))["args"] != \
         application_config(topology(max_num_seqs=8))["args"]
+
+
+def test_autoscaled_pool_count_belongs_to_serve() -> None:
+    from orchestrator.app import autoscaling_config
+
+    original = topology(main=3, side=1, autoscaler=True)
+    config = application_config(original)
+    assert config["deployments"] == [{"name": "pool-main"}, {"name": "pool-side", "num_replicas": 1}]
+    assert [p["replicas"] for p in config["args"]["topology"]["pools"]] == [3, 1]  # initial
+    assert topology_of(config) == original
+    scaling = autoscaling_config(original, original.pools[0])
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["initial_replicas"]) == (2, 4, 3)
+    assert scaling["policy"]["policy_function"] == "autoscaler.serve_policy:PoolPolicy"
+    kwargs = scaling["policy"]["policy_kwargs"]
+    assert (kwargs["app"], kwargs["pool"], kwargs["role"]) == ("app", "main", "unified")
+    from autoscaler.policy import Targets
+
+    Targets(**{k: v for k, v in kwargs.items() if k not in ("app", "pool")})  # the policy's args

@@ -61,3 +61,15 @@ have.
 {{- define "tokenfab.gatewayPort" -}}
 {{- (.Values.topology.gateway | default dict).port | default 8000 -}}
 {{- end -}}
+
+{{/* "true" when the autoscaler sizes the pool (as Topology.autoscaled): args (list topology pool) */}}
+{{- define "tokenfab.autoscaled" -}}
+{{- $t := index . 0 -}}
+{{- $pool := index . 1 -}}
+{{- $enabled := ne (toString ($t.autoscaler | default dict).enabled) "false" -}}
+{{- if and $enabled (hasKey $pool "min_replicas") (hasKey $pool "max_replicas") -}}
+{{- if and (ne (toString $pool.min_replicas) "<nil>") (ne (toString $pool.max_replicas) "<nil>") (lt (int $pool.min_replicas) (int $pool.max_replicas)) -}}
+true
+{{- end -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,125 @@
+"""How many replicas a pool needs: a pure function of its signals, its targets and the time.
+
+Scaling up is fast and proportional; scaling down is slow, one replica at a time, and only after
+the pool has been calm for a while. Between the two thresholds nothing moves, so noise around a
+steady load never flaps the pool.
+
+Up, when any of these asks for more than the running replicas (the largest ask wins):
+
+- load: `ceil(ongoing / target_ongoing)` replicas, where ongoing = running + waiting requests
+  and `target_ongoing` is what one replica serves within its latency targets (capacity sizing).
+  Example: 19 ongoing requests, target_ongoing 8 -> 3 replicas.
+- burst: waiting requests above `max_waiting_per_replica` x replicas mean the engines' queues grow
+  faster than they drain; the queue asks for `ceil(waiting / target_ongoing)` more replicas at
+  once, before the latency of the queued requests shows it.
+  Example: 1 replica, 2 running, 9 waiting, limit 4 per replica -> 1 + ceil(9 / 8) = 3.
+- latency: a p90 above its target (TTFT for prefill and unified pools, inter-token latency for
+  decode and unified pools) asks for `ceil(replicas x p90 / target)`.
+  Example: 2 decode replicas, ITL p90 0.3 s against 0.2 s -> ceil(2 x 1.5) = 3.
+- KV: the fullest replica above `max_kv_usage` asks for one more.
+
+Down, by one replica, when every signal has stayed under `scale_down_margin` of its target and
+the load would fit one replica fewer for `downscale_delay_s`; the calm clock then restarts, so
+each further step waits as long again.
+Example: margin 0.5, target_ongoing 8, 3 replicas with 6 ongoing, no waiting, latencies and KV
+low: 6 <= 0.5 x 8 x 2, so after 30 calm seconds 3 -> 2; 2 -> 1 needs 6 <= 4: it stays at 2.
+
+To zero, only with `min_replicas: 0`: after `idle_to_zero_s` with nothing ongoing. Back from zero
+as soon as a request waits (Serve holds requests while the replica starts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from autoscaler.signals import PoolSignals
+
+
+class Targets(msgspec.Struct, frozen=True):
+    """One pool's bounds and targets (from the topology's `autoscaler` section)."""
+
+    role: str
+    min_replicas: int
+    max_replicas: int
+    ttft_p90_s: float = 2.0
+    itl_p90_s: float = 0.25
+    max_kv_usage: float = 0.85
+    target_ongoing: float = 8.0
+    max_waiting_per_replica: float = 4.0
+    scale_down_margin: float = 0.5
+    downscale_delay_s: float = 30.0
+    idle_to_zero_s: float = 300.0
+
+
+class Decision(msgspec.Struct, frozen=True):
+    replicas: int
+    reason: str
+    calm_since: float | None = None  # when every signal went under its scale-down threshold
+    idle_since: float | None = None  # when the pool last had nothing ongoing
+
+
+def _uses_ttft(role: str) -> bool:
+    return role in ("prefill", "unified")
+
+
+def _uses_itl(role: str) -> bool:
+    return role in ("decode", "unified")
+
+
+def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
+    asks = [(math.ceil(s.ongoing / t.target_ongoing),
+             f"load: {s.ongoing:g} ongoing / {t.target_ongoing:g} per replica")]
+    if s.waiting > t.max_waiting_per_replica * current:
+        asks.append((current + math.ceil(s.waiting / t.target_ongoing),
+                     f"burst: {s.waiting:g} waiting > {t.max_waiting_per_replica:g} per replica"))
+    if _uses_ttft(t.role) and s.ttft_p90_s > t.ttft_p90_s:
+        asks.append((math.ceil(current * s.ttft_p90_s / t.ttft_p90_s),
+                     f"TTFT p90 {s.ttft_p90_s:.2f}s > {t.ttft_p90_s:g}s"))
+    if _uses_itl(t.role) and s.itl_p90_s > t.itl_p90_s:
+        asks.append((math.ceil(current * s.itl_p90_s / t.itl_p90_s),
+                     f"ITL p90 {s.itl_p90_s:.3f}s > {t.itl_p90_s:g}s"))
+    if s.kv_cache_usage > t.max_kv_usage:
+        asks.append((current + 1, f"KV usage {s.kv_cache_usage:.2f} > {t.max_kv_usage:g}"))
+    return max(asks, key=lambda ask: ask[0])
+
+
+def _calm(s: PoolSignals, t: Targets, current: int) -> bool:
+    m = t.scale_down_margin
+    return (s.waiting == 0
+            and s.ongoing <= m * t.target_ongoing * (current - 1)
+            and s.kv_cache_usage <= m * t.max_kv_usage
+            and (not _uses_ttft(t.role) or s.ttft_p90_s <= m * t.ttft_p90_s)
+            and (not _uses_itl(t.role) or s.itl_p90_s <= m * t.itl_p90_s))
+
+
+def decide(s: PoolSignals, t: Targets, current: int, now: float,
+           calm_since: float | None = None, idle_since: float | None = None) -> Decision:
+    """The replicas the pool should have now, and why (see the module docstring)."""
+    idle_since = (idle_since if idle_since is not None else now) if s.ongoing == 0 else None
+    if current == 0:
+        if s.ongoing > 0:
+            return Decision(max(1, t.min_replicas), "requests waiting at zero replicas")
+        return Decision(max(0, t.min_replicas), "idle at zero", idle_since=idle_since)
+    wanted, reason = _up(s, t, current)
+    if wanted > current:
+        wanted = min(t.max_replicas, wanted)
+        if wanted > current:
+            return Decision(wanted, reason, idle_since=idle_since)
+        return Decision(current, f"at max_replicas ({reason})", idle_since=idle_since)
+    if current > t.max_replicas:
+        return Decision(t.max_replicas, "above max_replicas", idle_since=idle_since)
+    if current < max(1, t.min_replicas):
+        return Decision(max(1, t.min_replicas), "below min_replicas", idle_since=idle_since)
+    if t.min_replicas == 0 and current == 1 and idle_since is not None \
+            and now - idle_since >= t.idle_to_zero_s:
+        return Decision(0, f"idle for {now - idle_since:.0f}s: scale to zero")
+    if current > max(1, t.min_replicas) and _calm(s, t, current):
+        calm_since = calm_since if calm_since is not None else now
+        if now - calm_since >= t.downscale_delay_s:
+            return Decision(current - 1, f"calm for {now - calm_since:.0f}s: load fits "
+                            f"{current - 1}", calm_since=now, idle_since=idle_since)
+        return Decision(current, "calm, waiting out the scale-down delay", calm_since=calm_since,
+                        idle_since=idle_since)
+    return Decision(current, "within targets", idle_since=idle_since)

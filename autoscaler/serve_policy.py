@@ -1,0 +1,85 @@
+"""The controller: Ray Serve runs this policy for every autoscaled pool, every `interval_s`.
+
+Serve stays the one source of truth for replica counts: it collects each replica's signals
+(`PoolReplica.record_autoscaling_stats`), calls `PoolPolicy`, applies the count it returns,
+and drains a replica before stopping it (in-flight requests finish; see pools.deployment).
+Each decision that changes the count, and the latest of each pool, is recorded: a log line in
+the Serve controller's log, Ray metrics (`tokenfab_autoscaler_*`, exported by the Ray metrics
+agent), and the application's replica registry, which `tokenfab status` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from autoscaler.policy import Targets, decide
+from autoscaler.signals import pool_signals
+
+logger = logging.getLogger("ray.serve").getChild("tokenfab.autoscaler")
+_metrics: dict[str, Any] = {}
+
+
+def _record(app: str, pool: str, current: int, desired: int, reason: str,
+            targets: Targets) -> None:
+    import ray
+
+    if not ray.is_initialized():  # outside a cluster (unit tests): the log line is the record
+        return
+    try:
+        from ray.util import metrics
+
+        from pools.registry import ScaleRecord, get_registry
+
+        if not _metrics:
+            _metrics["decisions"] = metrics.Counter(
+                "tokenfab_autoscaler_decisions", "Replica count changes, by direction",
+                tag_keys=("app", "pool", "direction"))
+            _metrics["desired"] = metrics.Gauge(
+                "tokenfab_autoscaler_desired_replicas", "Replicas the policy asks for",
+                tag_keys=("app", "pool"))
+        _metrics["desired"].set(desired, tags={"app": app, "pool": pool})
+        if desired != current:
+            direction = "up" if desired > current else "down"
+            _metrics["decisions"].inc(tags={"app": app, "pool": pool, "direction": direction})
+        get_registry(app).record_scale.remote(ScaleRecord(
+            pool=pool, current=current, desired=desired, reason=reason, at=time.time(),
+            min_replicas=targets.min_replicas, max_replicas=targets.max_replicas,
+            ttft_p90_s=targets.ttft_p90_s, itl_p90_s=targets.itl_p90_s))
+    except Exception:  # noqa: BLE001 - bookkeeping must never stop scaling
+        logger.exception("could not record the autoscaling decision of pool %s", pool)
+
+
+class PoolPolicy:
+    """Serve's custom autoscaling policy for one pool. Serve builds it once with the
+    `policy_kwargs` (app, pool and the fields of Targets) and calls it every interval."""
+
+    def __init__(self, app: str, pool: str, **targets: Any) -> None:
+        self.app, self.pool, self.targets = app, pool, Targets(**targets)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        t, pool = self.targets, self.pool
+        state = dict(ctx.policy_state or {})
+        now = ctx.current_time or time.time()
+        current = ctx.current_num_replicas
+        signals = pool_signals(ctx.aggregated_metrics or {}, current)
+        if current == 0 and ctx.total_num_requests:  # requests held at handles, no replica yet
+            signals = type(signals)(replicas=0, waiting=float(ctx.total_num_requests))
+        decision = decide(signals, t, current, now, state.get("calm_since"),
+                          state.get("idle_since"))
+        desired = decision.replicas
+        if ctx.target_num_replicas > current and desired >= current:
+            desired = max(desired, ctx.target_num_replicas)  # never cancel replicas starting
+        if desired != current or state.get("reason") != decision.reason:
+            level = logging.INFO if desired != current else logging.DEBUG
+            logger.log(level, "pool %s: %d -> %d replicas (%s); ongoing %.1f, waiting %.1f, "
+                       "KV %.2f, TTFT p90 %.2fs, ITL p90 %.3fs", pool, current, desired,
+                       decision.reason, signals.ongoing, signals.waiting,
+                       signals.kv_cache_usage, signals.ttft_p90_s, signals.itl_p90_s)
+        if desired != current or now - state.get("recorded_at", 0.0) >= 5.0:
+            _record(self.app, pool, current, desired, decision.reason, t)
+            state["recorded_at"] = now
+        state.update(calm_since=decision.calm_since, idle_since=decision.idle_since,
+                     reason=decision.reason)
+        return desired, state

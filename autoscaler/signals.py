@@ -1,0 +1,89 @@
+"""What the autoscaler sees of a pool: each replica's own recent numbers, and their sum.
+
+Every replica reports `ReplicaSignals` to Ray Serve (`record_autoscaling_stats`); Serve averages
+each one over its look-back window per replica and hands them to the pool's policy, which folds
+them into one `PoolSignals`. Latencies are the replica's recent p90 (a sliding window of what its
+engine measured); throughputs are tokens per second over the same window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+
+import msgspec
+
+
+class ReplicaSignals(msgspec.Struct, frozen=True):
+    """One replica's recent load and latency, as floats (what Serve's custom metrics carry)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float = 0.0
+    ttft_p90_s: float = 0.0  # 0 when no request got its first token in the window
+    itl_p90_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    generation_tokens_per_s: float = 0.0
+
+
+class PoolSignals(msgspec.Struct, frozen=True):
+    """A pool's signals: sums of load, worst replica latencies and KV usage."""
+
+    replicas: int
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float = 0.0  # the fullest replica's
+    ttft_p90_s: float = 0.0  # the slowest replica's
+    itl_p90_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    generation_tokens_per_s: float = 0.0
+
+    @property
+    def ongoing(self) -> float:
+        return self.running + self.waiting
+
+
+def pool_signals(per_metric: Mapping[str, Mapping[object, float]], replicas: int) -> PoolSignals:
+    """Fold Serve's aggregated custom metrics ({metric: {replica: value}}) into pool signals."""
+
+    def values(name: str) -> list[float]:
+        return [v for v in (per_metric.get(name) or {}).values() if math.isfinite(v)]
+
+    return PoolSignals(
+        replicas=replicas,
+        running=sum(values("running")),
+        waiting=sum(values("waiting")),
+        kv_cache_usage=max(values("kv_cache_usage"), default=0.0),
+        ttft_p90_s=max(values("ttft_p90_s"), default=0.0),
+        itl_p90_s=max(values("itl_p90_s"), default=0.0),
+        prompt_tokens_per_s=sum(values("prompt_tokens_per_s")),
+        generation_tokens_per_s=sum(values("generation_tokens_per_s")),
+    )
+
+
+class Window:
+    """Samples of the last `seconds`, for a p90 or a rate. Not thread-safe: one writer."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, value: float, now: float | None = None) -> None:
+        self._samples.append((time.monotonic() if now is None else now, value))
+
+    def _trim(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self._seconds:
+            self._samples.popleft()
+
+    def p90(self, now: float | None = None) -> float:
+        self._trim(time.monotonic() if now is None else now)
+        values = sorted(v for _, v in self._samples)
+        return values[min(len(values) - 1, int(0.9 * len(values)))] if values else 0.0
+
+    def rate(self, now: float | None = None) -> float:
+        """Sum of values per second over the window."""
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        return sum(v for _, v in self._samples) / self._seconds

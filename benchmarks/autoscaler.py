@@ -1,0 +1,232 @@
+"""Autoscaling on a bursty load (quiet, burst, quiet) against real engines, four setups, one run.
+
+One unified pool of the tiny model (one core per replica, at most 2 replicas on this machine)
+serves the same open-loop arrival pattern under:
+
+- autoscaler: tokenfab's policy, 1..2 replicas;
+- static_min: 1 replica; static_max: 2 replicas;
+- ray_default: Ray Serve's own ongoing-requests autoscaling, 1..2 replicas, its default delays.
+
+Requests are streamed (a 64-token prompt, 64 output tokens). A request meets the SLO when its TTFT
+is at most --ttft-slo and its mean inter-token gap at most --itl-slo; failures miss it.
+Replica-seconds integrate the pool's running replicas (Serve's view, polled every second) over
+the run.
+
+    .venv/bin/python benchmarks/autoscaler.py [--quiet-rps 1 --burst-rps 9 --phases 40,100,80]
+
+Writes benchmarks/results/autoscaler.json, autoscaler.md and autoscaler.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from orchestrator import cluster, deploy
+from orchestrator.config import Topology, parse_topology
+from harness import deployed, remove
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+RESULTS = Path(__file__).parent / "results"
+SETUPS = ["autoscaler", "static_min", "static_max", "ray_default"]
+PROMPT_WORDS = 40
+OUTPUT_TOKENS = 64
+
+
+def topology(setup: str) -> Topology:
+    pool: dict[str, Any] = {"name": "main", "role": "unified", "max_ongoing_requests": 64,
+                            "resources": {"cpus": 1, "kv_cache_bytes": "128MiB"}}
+    autoscaler: dict[str, Any] = {"enabled": setup in ("autoscaler", "ray_default"),
+                                  "ttft_p90_s": 1.0, "itl_p90_s": 0.2, "target_ongoing_requests": 6,
+                                  "max_waiting_per_replica": 2, "downscale_delay_s": 20}
+    if setup == "ray_default":
+        autoscaler |= {"policy": "ray_requests", "target_ongoing_requests": 2}  # Serve's default
+    pool |= {"replicas": 2 if setup == "static_max" else 1,
+             "min_replicas": 1, "max_replicas": 2 if setup != "static_min" else 1}
+    return parse_topology({
+        "name": f"scale-{setup.replace('_', '-')}",
+        "model": {"name": "tiny", "path": "~/.cache/tokenfab/models/tiny-llama",
+                  "generate": "tiny", "dtype": "bfloat16", "max_model_len": 2048},
+        "engine_args": {"enforce_eager": True},
+        "pools": [pool], "autoscaler": autoscaler,
+        "gateway": {"host": "127.0.0.1", "port": 8015, "request_timeout_s": 120},
+        "cluster": {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
+                    "dashboard_url": "http://127.0.0.1:8279", "num_cpus": 2},
+    }, f"benchmark {setup}")
+
+
+def arrivals(phases: list[tuple[float, float]], seed: int = 0) -> list[float]:
+    """Poisson arrival times (s) for consecutive (seconds, requests/s) phases."""
+    rng, times, start = random.Random(seed), [], 0.0
+    for seconds, rps in phases:
+        t = start
+        while True:
+            t += rng.expovariate(rps)
+            if t >= start + seconds:
+                break
+            times.append(t)
+        start += seconds
+    return times
+
+
+async def _one(client: httpx.AsyncClient, index: int, at: float, out: list) -> None:
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    words = " ".join(f"w{(index * 31 + i) % 500}" for i in range(PROMPT_WORDS))
+    body = {"model": "tiny", "prompt": f"request {index}: {words}", "max_tokens": OUTPUT_TOKENS,
+            "ignore_eos": True, "stream": True}
+    sent, stamps, status = time.monotonic(), [], 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            status = response.status_code
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
+                    stamps.append(time.monotonic())
+    except httpx.HTTPError:
+        status = 0
+    out.append({"sent": sent, "stamps": stamps, "status": status})
+
+
+async def _replicas(topology: Topology, until: float, out: list) -> None:
+    client = deploy.ServeClient(topology.cluster.dashboard_url)
+    while time.monotonic() < until:
+        app = await asyncio.to_thread(client.application, topology.name) or {}
+        replicas = ((app.get("deployments") or {}).get("pool-main") or {}).get("replicas") or []
+        out.append((time.monotonic(), sum(r["state"] == "RUNNING" for r in replicas)))
+        await asyncio.sleep(1.0)
+
+
+async def run(topology: Topology, root: str, times: list[float]) -> dict[str, Any]:
+    requests: list[dict] = []
+    replicas: list[tuple[float, int]] = []
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=root, timeout=300, trust_env=False,
+                                 limits=limits) as client:
+        await client.post("/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 2})
+        start = time.monotonic() + 1.0
+        end = start + times[-1] + 1.0
+        tracker = asyncio.create_task(_replicas(topology, end + 60, replicas))
+        await asyncio.gather(*(_one(client, i, start + t, requests) for i, t in enumerate(times)))
+        tracker.cancel()
+    return {"start": start, "end": end, "requests": requests, "replicas": replicas}
+
+
+def summarize(setup: str, load: dict[str, Any], ttft_slo: float, itl_slo: float) -> dict[str, Any]:
+    met, ttfts, itls = 0, [], []
+    for r in load["requests"]:
+        stamps = r["stamps"]
+        if r["status"] != 200 or not stamps:
+            continue
+        ttft = stamps[0] - r["sent"]
+        itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+        ttfts.append(ttft)
+        itls.append(itl)
+        met += ttft <= ttft_slo and itl <= itl_slo
+    samples = [(t, n) for t, n in load["replicas"] if load["start"] <= t <= load["end"]]
+    seconds = sum((b[0] - a[0]) * a[1] for a, b in zip(samples, samples[1:]))
+    q = lambda xs, p: float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
+    return {"setup": setup, "slo_attainment": round(met / len(load["requests"]), 3),
+            "replica_seconds": round(seconds, 1), "requests": len(load["requests"]),
+            "failed": sum(r["status"] != 200 for r in load["requests"]),
+            "ttft_p50_s": round(q(ttfts, 50), 3), "ttft_p90_s": round(q(ttfts, 90), 3),
+            "itl_p90_s": round(q(itls, 90), 4), "max_replicas_seen": max(n for _, n in samples)}
+
+
+def plot(loads: dict[str, dict[str, Any]], path: Path, phases: list[tuple[float, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for setup, load in loads.items():
+        start = load["start"]
+        top.step([t - start for t, _ in load["replicas"]], [n for _, n in load["replicas"]],
+                 where="post", label=setup)
+        done = sorted((r["sent"] - start, r["stamps"][0] - r["sent"])
+                      for r in load["requests"] if r["stamps"])
+        xs, ys = [d[0] for d in done], [d[1] for d in done]
+        window = 15
+        smooth = [float(np.percentile(ys[max(0, i - window):i + 1], 90)) for i in range(len(ys))]
+        bottom.plot(xs, smooth, label=setup)
+    edge = 0.0
+    for seconds, _ in phases[:-1]:
+        edge += seconds
+        for axis in (top, bottom):
+            axis.axvline(edge, color="grey", linestyle=":")
+    top.set_ylabel("running replicas")
+    bottom.set_ylabel("TTFT p90, last 15 requests (s)")
+    bottom.set_xlabel("seconds since the load started")
+    bottom.set_yscale("log")
+    top.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "# Autoscaling on a bursty load", "",
+        f"`python benchmarks/autoscaler.py --phases {args.phases} --quiet-rps {args.quiet_rps} "
+        f"--burst-rps {args.burst_rps}`: Poisson arrivals, quiet / burst / quiet; each request "
+        f"a {PROMPT_WORDS}-word prompt and {OUTPUT_TOKENS} streamed tokens; SLO: TTFT <= "
+        f"{args.ttft_slo:g} s and mean inter-token gap <= {args.itl_slo:g} s. One replica = one "
+        "core, tiny model; engine start 40-60 s on this machine. Plot: autoscaler.png.", "",
+        "| setup | SLO attainment | replica-seconds | requests | failed | TTFT p50 / p90 (s) | "
+        "ITL p90 (s) | max replicas |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(f"| {r['setup']} | {r['slo_attainment']:.3f} | {r['replica_seconds']:.0f} | "
+                     f"{r['requests']} | {r['failed']} | {r['ttft_p50_s']:.2f} / "
+                     f"{r['ttft_p90_s']:.2f} | {r['itl_p90_s']:.3f} | {r['max_replicas_seen']} |")
+    by = {r["setup"]: r for r in records}
+    if {"autoscaler", "static_max"} <= by.keys():
+        a, m = by["autoscaler"], by["static_max"]
+        lines += ["", f"autoscaler / static_max: attainment {a['slo_attainment']:.3f} vs "
+                  f"{m['slo_attainment']:.3f}, replica-seconds ratio "
+                  f"{a['replica_seconds'] / m['replica_seconds']:.2f}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phases", default="40,100,80", help="quiet,burst,quiet seconds")
+    parser.add_argument("--quiet-rps", type=float, default=1.0)
+    parser.add_argument("--burst-rps", type=float, default=9.0)
+    parser.add_argument("--ttft-slo", type=float, default=1.0)
+    parser.add_argument("--itl-slo", type=float, default=0.2)
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    args = parser.parse_args()
+    quiet, burst, after = (float(x) for x in args.phases.split(","))
+    phases = [(quiet, args.quiet_rps), (burst, args.burst_rps), (after, args.quiet_rps)]
+    times = arrivals(phases)
+    cluster.start_head(topology("static_min").cluster)
+    records, loads = [], {}
+    try:
+        for setup in args.setups.split(","):
+            t = topology(setup)
+            print(f"{setup}: deploying")
+            root = deployed(t)
+            loads[setup] = asyncio.run(run(t, root, times))
+            records.append(summarize(setup, loads[setup], args.ttft_slo, args.itl_slo))
+            print(json.dumps(records[-1]))
+            remove(t)
+    finally:
+        cluster.stop_ray()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "autoscaler.json").write_text(json.dumps({"records": records}, indent=2))
+    (RESULTS / "autoscaler.md").write_text(markdown(records, args))
+    plot(loads, RESULTS / "autoscaler.png", phases)
+    print(markdown(records, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The autoscaler with real engines: a pool of 1..2 replicas scales up under sustained load and
+back down after it, and no request fails during either transition (topology-autoscale.yaml)."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from orchestrator import deploy
+from orchestrator.config import Topology, load_topology
+from orchestrator.status import gateway_url
+from tests.integration.conftest import ROOT, TOKENFAB, remove_app
+
+TOPOLOGY = ROOT / "tests/integration/topology-autoscale.yaml"
+SCALE_UP_BOUND_S = 120  # decision within ~1 s, then an engine start (40-60 s on 2 busy cores)
+SCALE_DOWN_BOUND_S = 60  # 5 s calm, then the drain of one replica
+
+
+@pytest.fixture(scope="module")
+def scaled(ray_cluster) -> Topology:
+    topology = load_topology(TOPOLOGY)
+    result = subprocess.run([TOKENFAB, "up", str(TOPOLOGY), "--timeout", "600"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    yield topology
+    remove_app(topology.name, topology.cluster.dashboard_url)
+
+
+def _running(topology: Topology) -> int:
+    app = deploy.ServeClient(topology.cluster.dashboard_url).application(topology.name) or {}
+    replicas = ((app.get("deployments") or {}).get("pool-main") or {}).get("replicas") or []
+    return sum(1 for r in replicas if r["state"] == "RUNNING")
+
+
+class Load:
+    """`clients` threads sending requests back to back; every status is kept."""
+
+    def __init__(self, root: str, clients: int, max_tokens: int) -> None:
+        self._root, self._max_tokens = root, max_tokens
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
+
+    def _client(self, index: int) -> None:
+        with httpx.Client(trust_env=False, timeout=300) as http:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                try:
+                    response = http.post(f"{self._root}/v1/completions", json={
+                        "model": "tiny", "prompt": f"autoscale {index} {n}",
+                        "max_tokens": self._max_tokens, "ignore_eos": True})
+                    self.statuses.append(response.status_code)
+                except httpx.HTTPError:
+                    self.statuses.append(0)
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=300)
+
+
+def _wait_for(topology: Topology, replicas: int, bound_s: float) -> float:
+    started = time.monotonic()
+    while _running(topology) != replicas:
+        assert time.monotonic() - started < bound_s, \
+            f"not at {replicas} replicas after {bound_s} s (now {_running(topology)})"
+        time.sleep(1)
+    return time.monotonic() - started
+
+
+def test_scales_up_under_load_and_down_after_without_failures(scaled: Topology) -> None:
+    root = gateway_url(scaled)
+    assert _running(scaled) == 1
+    with Load(root, clients=8, max_tokens=64) as heavy:
+        up_s = _wait_for(scaled, 2, SCALE_UP_BOUND_S)
+        time.sleep(3)  # traffic reaches the new replica
+    assert heavy.statuses and set(heavy.statuses) == {200}, heavy.statuses
+    decision = httpx.get(f"{root}/tokenfab/autoscaler", trust_env=False).json()
+    assert decision and decision[0]["pool"] == "main"
+    with Load(root, clients=1, max_tokens=8) as trickle:  # calm, but never idle
+        down_s = _wait_for(scaled, 1, SCALE_DOWN_BOUND_S)
+        time.sleep(2)
+    assert trickle.statuses and set(trickle.statuses) == {200}, trickle.statuses
+    (record,) = httpx.get(f"{root}/tokenfab/autoscaler", trust_env=False).json()
+    assert (record["current"], record["desired"]) in ((1, 1), (2, 1))
+    print(f"scale-up {up_s:.0f} s, scale-down {down_s:.0f} s; {len(heavy.statuses)} requests "
+          f"under load, {len(trickle.statuses)} while scaling down")
+    status = subprocess.run([TOKENFAB, "status", "--dashboard", scaled.cluster.dashboard_url,
+                             "--app", scaled.name], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "autoscaler:" in status.stdout, status.stdout
+    assert "main: " in status.stdout and "bounds 1..2" in status.stdout
+
+
+def test_manual_scale_of_an_autoscaled_pool_is_refused(scaled: Topology) -> None:
+    result = subprocess.run([TOKENFAB, "scale", "main", "2", "--dashboard",
+                             scaled.cluster.dashboard_url, "--app", scaled.name],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "autoscaled between 1 and 2" in result.stderr

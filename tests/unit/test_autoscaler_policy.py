@@ -1,0 +1,166 @@
+"""The autoscaling policy: exact desired counts, no flapping, bursts seen before latency."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autoscaler.policy import Decision, Targets, decide
+from autoscaler.signals import PoolSignals, Window, pool_signals
+
+UNIFIED = Targets(role="unified", min_replicas=1, max_replicas=4, ttft_p90_s=2.0, itl_p90_s=0.2,
+                  max_kv_usage=0.85, target_ongoing=8, max_waiting_per_replica=4,
+                  scale_down_margin=0.5, downscale_delay_s=30, idle_to_zero_s=300)
+DECODE = Targets(**{**{f: getattr(UNIFIED, f) for f in UNIFIED.__struct_fields__},
+                    "role": "decode", "max_replicas": 8})
+PREFILL = Targets(**{**{f: getattr(UNIFIED, f) for f in UNIFIED.__struct_fields__},
+                     "role": "prefill"})
+
+
+def sig(replicas: int, **kw: float) -> PoolSignals:
+    return PoolSignals(replicas=replicas, **kw)
+
+
+@pytest.mark.parametrize("signals,targets,current,expected,reason", [
+    # the docstring's worked examples
+    (sig(2, running=15, waiting=4), UNIFIED, 2, 3, "load"),  # 19 ongoing / 8
+    (sig(1, running=2, waiting=9), UNIFIED, 1, 3, "burst"),  # 1 + ceil(9 / 8)
+    (sig(2, running=4, itl_p90_s=0.3), DECODE, 2, 3, "ITL"),  # ceil(2 x 0.3 / 0.2)
+    (sig(2, running=4, kv_cache_usage=0.9), DECODE, 2, 3, "KV"),
+    (sig(1, running=2, ttft_p90_s=5.0), PREFILL, 1, 3, "TTFT"),  # ceil(1 x 5 / 2)
+    # latency targets apply by role: prefill ignores ITL, decode ignores TTFT
+    (sig(1, running=2, itl_p90_s=1.0), PREFILL, 1, 1, "within targets"),
+    (sig(1, running=2, ttft_p90_s=9.0), DECODE, 1, 1, "within targets"),
+    # bounds
+    (sig(4, running=80), UNIFIED, 4, 4, "at max_replicas"),
+    (sig(1, running=80), UNIFIED, 1, 4, "load"),
+    (sig(5, running=1), UNIFIED, 5, 4, "above max_replicas"),
+    # steady, inside the band: nothing moves
+    (sig(2, running=10, ttft_p90_s=1.5), UNIFIED, 2, 2, "within targets"),
+    # from zero: a waiting request brings one replica back
+    (sig(0, waiting=1), Targets(role="unified", min_replicas=0, max_replicas=2), 0, 1,
+     "zero replicas"),
+    (sig(0), Targets(role="unified", min_replicas=0, max_replicas=2), 0, 0, "idle at zero"),
+])
+def test_decision_table(signals: PoolSignals, targets: Targets, current: int, expected: int,
+                        reason: str) -> None:
+    decision = decide(signals, targets, current, now=100.0)
+    assert (decision.replicas, reason in decision.reason) == (expected, True), decision
+
+
+def test_scale_down_waits_for_calm_and_steps_one_at_a_time() -> None:
+    calm = sig(3, running=6)  # the docstring's example: 6 <= 0.5 x 8 x 2
+    d = decide(calm, UNIFIED, 3, now=0.0)
+    assert d.replicas == 3 and d.calm_since == 0.0
+    d = decide(calm, UNIFIED, 3, now=29.0, calm_since=d.calm_since)
+    assert d.replicas == 3
+    d = decide(calm, UNIFIED, 3, now=30.0, calm_since=d.calm_since)
+    assert d.replicas == 2 and "calm for 30s" in d.reason
+    # 2 -> 1 would need 6 <= 0.5 x 8 x 1: it stays at 2 however long it is calm
+    d = decide(sig(2, running=6), UNIFIED, 2, now=100.0, calm_since=d.calm_since)
+    assert d.replicas == 2 and d.calm_since is None
+    # one busy moment restarts the clock
+    d = decide(sig(3, running=6), UNIFIED, 3, now=0.0)
+    d = decide(sig(3, running=6, waiting=1), UNIFIED, 3, now=20.0, calm_since=d.calm_since)
+    assert d.calm_since is None
+    d = decide(sig(3, running=6), UNIFIED, 3, now=40.0, calm_since=d.calm_since)
+    assert d.replicas == 3
+
+
+def test_never_below_min_and_to_zero_only_when_allowed() -> None:
+    d = decide(sig(1), UNIFIED, 1, now=1000.0, calm_since=0.0, idle_since=0.0)
+    assert d.replicas == 1
+    zero = Targets(role="unified", min_replicas=0, max_replicas=2, idle_to_zero_s=300)
+    d = decide(sig(1), zero, 1, now=299.0, idle_since=0.0)
+    assert d.replicas == 1 and d.idle_since == 0.0
+    d = decide(sig(1), zero, 1, now=300.0, idle_since=d.idle_since)
+    assert d.replicas == 0 and "scale to zero" in d.reason
+    assert decide(sig(1, running=1), zero, 1, now=900.0, idle_since=0.0).idle_since is None
+
+
+def _run(timeline, targets: Targets, current: int) -> list[Decision]:
+    decisions, calm, idle = [], None, None
+    for now, signals in timeline:
+        d = decide(signals, targets, current, now, calm, idle)
+        calm, idle, current = d.calm_since, d.idle_since, d.replicas
+        decisions.append(d)
+    return decisions
+
+
+def test_no_flapping_under_noisy_steady_load() -> None:
+    """Load wanders between 9 and 15 ongoing on 2 replicas (target 8 each), latencies between
+    40% and 95% of target: 10 minutes of decisions every second never move the pool."""
+    rng = random.Random(7)
+    timeline = [(float(t), sig(2, running=rng.uniform(9, 15),
+                               ttft_p90_s=rng.uniform(0.8, 1.9), itl_p90_s=rng.uniform(0.08, 0.19),
+                               kv_cache_usage=rng.uniform(0.3, 0.8))) for t in range(600)]
+    assert {d.replicas for d in _run(timeline, UNIFIED, 2)} == {2}
+
+
+def test_burst_scales_up_before_latency_breaches() -> None:
+    """A burst: the queue grows by 3 requests a second from t=10 on one replica that serves 8.
+    TTFT follows the queue with a lag (each waiting request beyond 3 adds 0.15 s) and crosses
+    the 2 s target at t=14; the queue's rules ask for more replicas at t=10, four seconds
+    earlier, while TTFT is still 0.3 s, and the burst rule takes over as the queue grows."""
+    timeline = []
+    for t in range(0, 20):
+        waiting = max(0, 3 * (t - 9))
+        ttft = 0.3 + 0.15 * max(0, waiting - 3)  # the queue shows in latency later
+        timeline.append((float(t), sig(1, running=min(8, 4 + waiting), waiting=waiting,
+                                       ttft_p90_s=ttft)))
+    decisions = _run(timeline, UNIFIED, 1)
+    first_up = next(t for (t, _), d in zip(timeline, decisions) if d.replicas > 1)
+    breach = next(t for t, s in timeline if s.ttft_p90_s > UNIFIED.ttft_p90_s)
+    assert (first_up, breach) == (10.0, 14.0)
+    assert decisions[10].reason.startswith("load") and decisions[10].replicas == 2
+    assert decisions[12].reason.startswith("burst") and decisions[12].replicas == 4  # 2 + ceil(9/8)
+
+
+def test_pool_signals_fold_replicas_and_windows() -> None:
+    folded = pool_signals({"running": {"a": 2, "b": 3}, "waiting": {"a": 1, "b": 0},
+                           "kv_cache_usage": {"a": 0.2, "b": 0.7},
+                           "ttft_p90_s": {"a": 0.5, "b": 1.5},
+                           "itl_p90_s": {"a": float("nan"), "b": 0.1}}, replicas=2)
+    assert (folded.running, folded.waiting, folded.ongoing) == (5, 1, 6)
+    assert (folded.kv_cache_usage, folded.ttft_p90_s, folded.itl_p90_s) == (0.7, 1.5, 0.1)
+    window = Window(10.0)
+    for i in range(10):
+        window.add(float(i + 1), now=float(i))
+    assert window.p90(now=9.0) == 10.0 and window.rate(now=9.0) == 5.5
+    assert window.p90(now=30.0) == 0.0
+
+
+def test_serve_policy_reads_serve_context_and_keeps_state() -> None:
+    from types import SimpleNamespace
+
+    from autoscaler.serve_policy import PoolPolicy
+
+    policy = PoolPolicy(app="a", pool="main", role="unified", min_replicas=1, max_replicas=3,
+                        target_ongoing=2, downscale_delay_s=10)
+
+    def ctx(current: int, target: int, now: float, state: dict, **metrics: dict) -> SimpleNamespace:
+        return SimpleNamespace(policy_state=state, current_time=now, current_num_replicas=current,
+                               target_num_replicas=target, aggregated_metrics=metrics,
+                               total_num_requests=0)
+
+    desired, state = policy(ctx(1, 1, 0.0, {}, running={"r1": 2.0}, waiting={"r1": 3.0}))
+    assert desired == 3 and state["reason"].startswith("load: 5 ongoing")
+    # while the new replicas start, a calmer moment never cancels them
+    desired, state = policy(ctx(1, 3, 1.0, state, running={"r1": 1.0}))
+    assert desired == 3
+    desired, state = policy(ctx(3, 3, 2.0, state, running={"r1": 0, "r2": 0, "r3": 0}))
+    assert desired == 3 and state["calm_since"] == 2.0
+    desired, state = policy(ctx(3, 3, 12.0, state, running={"r1": 0, "r2": 0, "r3": 0}))
+    assert desired == 2 and "calm" in state["reason"]
+
+
+def test_prefill_and_decode_pools_scale_independently() -> None:
+    """One P/D deployment, each pool with its own policy instance: a prompt-heavy moment (slow
+    first tokens) grows prefill only; a generation-heavy one (slow tokens) grows decode only."""
+    prompt_heavy = sig(1, running=3, ttft_p90_s=4.0, itl_p90_s=0.05, kv_cache_usage=0.3)
+    generation_heavy = sig(1, running=3, ttft_p90_s=0.3, itl_p90_s=0.5, kv_cache_usage=0.5)
+    assert decide(prompt_heavy, PREFILL, 1, now=0.0).replicas == 2
+    assert decide(prompt_heavy, DECODE, 1, now=0.0).replicas == 1
+    assert decide(generation_heavy, PREFILL, 1, now=0.0).replicas == 1
+    assert decide(generation_heavy, DECODE, 1, now=0.0).replicas == 3  # ceil(0.5 / 0.2)
