@@ -70,10 +70,10 @@ def _uses_itl(role: str) -> bool:
 
 def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
     asks = [(math.ceil(s.ongoing / t.target_ongoing),
-             f"load: {s.ongoing:g} ongoing / {t.target_ongoing:g} per replica")]
+             f"load: {s.ongoing:.1f} ongoing / {t.target_ongoing:g} per replica")]
     if s.waiting > t.max_waiting_per_replica * current:
         asks.append((current + math.ceil(s.waiting / t.target_ongoing),
-                     f"burst: {s.waiting:g} waiting > {t.max_waiting_per_replica:g} per replica"))
+                     f"burst: {s.waiting:.1f} waiting > {t.max_waiting_per_replica:g} per replica"))
     if _uses_ttft(t.role) and s.ttft_p90_s > t.ttft_p90_s:
         asks.append((math.ceil(current * s.ttft_p90_s / t.ttft_p90_s),
                      f"TTFT p90 {s.ttft_p90_s:.2f}s > {t.ttft_p90_s:g}s"))
@@ -99,9 +99,11 @@ def decide(s: PoolSignals, t: Targets, current: int, now: float,
     """The replicas the pool should have now, and why (see the module docstring)."""
     idle_since = (idle_since if idle_since is not None else now) if s.ongoing == 0 else None
     if current == 0:
+        if t.min_replicas > 0:
+            return Decision(t.min_replicas, "below min_replicas", idle_since=idle_since)
         if s.ongoing > 0:
-            return Decision(max(1, t.min_replicas), "requests waiting at zero replicas")
-        return Decision(max(0, t.min_replicas), "idle at zero", idle_since=idle_since)
+            return Decision(1, "requests waiting at zero replicas")
+        return Decision(0, "idle at zero", idle_since=idle_since)
     wanted, reason = _up(s, t, current)
     if wanted > current:
         wanted = min(t.max_replicas, wanted)

@@ -71,15 +71,16 @@ class PoolPolicy:
         desired = decision.replicas
         if ctx.target_num_replicas > current and desired >= current:
             desired = max(desired, ctx.target_num_replicas)  # never cancel replicas starting
-        if desired != current or state.get("reason") != decision.reason:
-            level = logging.INFO if desired != current else logging.DEBUG
-            logger.log(level, "pool %s: %d -> %d replicas (%s); ongoing %.1f, waiting %.1f, "
-                       "KV %.2f, TTFT p90 %.2fs, ITL p90 %.3fs", pool, current, desired,
-                       decision.reason, signals.ongoing, signals.waiting,
-                       signals.kv_cache_usage, signals.ttft_p90_s, signals.itl_p90_s)
-        if desired != current or now - state.get("recorded_at", 0.0) >= 5.0:
+        changed = desired != state.get("desired", current)
+        if changed:  # Serve asks every ~0.1 s: a line per new decision, not per question
+            logger.info("pool %s: %d -> %d replicas (%s); ongoing %.1f, waiting %.1f, KV %.2f, "
+                        "TTFT p90 %.2fs, ITL p90 %.3fs", pool, current, desired, decision.reason,
+                        signals.ongoing, signals.waiting, signals.kv_cache_usage,
+                        signals.ttft_p90_s, signals.itl_p90_s)
+        if changed or now - state.get("recorded_at", 0.0) >= 5.0:
             _record(self.app, pool, current, desired, decision.reason, t)
             state["recorded_at"] = now
+        state["desired"] = desired
         state.update(calm_since=decision.calm_since, idle_since=decision.idle_since,
                      reason=decision.reason)
         return desired, state

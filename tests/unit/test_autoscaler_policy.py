@@ -39,6 +39,7 @@ def sig(replicas: int, **kw: float) -> PoolSignals:
     # steady, inside the band: nothing moves
     (sig(2, running=10, ttft_p90_s=1.5), UNIFIED, 2, 2, "within targets"),
     # from zero: a waiting request brings one replica back
+    (sig(0), UNIFIED, 0, 1, "below min_replicas"),
     (sig(0, waiting=1), Targets(role="unified", min_replicas=0, max_replicas=2), 0, 1,
      "zero replicas"),
     (sig(0), Targets(role="unified", min_replicas=0, max_replicas=2), 0, 0, "idle at zero"),
@@ -145,7 +146,7 @@ def test_serve_policy_reads_serve_context_and_keeps_state() -> None:
                                total_num_requests=0)
 
     desired, state = policy(ctx(1, 1, 0.0, {}, running={"r1": 2.0}, waiting={"r1": 3.0}))
-    assert desired == 3 and state["reason"].startswith("load: 5 ongoing")
+    assert desired == 3 and state["reason"].startswith("load: 5.0 ongoing")
     # while the new replicas start, a calmer moment never cancels them
     desired, state = policy(ctx(1, 3, 1.0, state, running={"r1": 1.0}))
     assert desired == 3
