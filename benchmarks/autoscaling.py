@@ -12,7 +12,7 @@ is at most --ttft-slo and its mean inter-token gap at most --itl-slo; failures m
 Replica-seconds integrate the pool's running replicas (Serve's view, polled every second) over
 the run.
 
-    .venv/bin/python benchmarks/autoscaler.py [--quiet-rps 1 --burst-rps 9 --phases 40,100,80]
+    .venv/bin/python benchmarks/autoscaling.py [--quiet-rps 1 --burst-rps 9 --phases 40,100,80]
 
 Writes benchmarks/results/autoscaler.json, autoscaler.md and autoscaler.png.
 """
@@ -174,7 +174,7 @@ def plot(loads: dict[str, dict[str, Any]], path: Path, phases: list[tuple[float,
 def markdown(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         "# Autoscaling on a bursty load", "",
-        f"`python benchmarks/autoscaler.py --phases {args.phases} --quiet-rps {args.quiet_rps} "
+        f"`python benchmarks/autoscaling.py --phases {args.phases} --quiet-rps {args.quiet_rps} "
         f"--burst-rps {args.burst_rps}`: Poisson arrivals, quiet / burst / quiet; each request "
         f"a {PROMPT_WORDS}-word prompt and {OUTPUT_TOKENS} streamed tokens; SLO: TTFT <= "
         f"{args.ttft_slo:g} s and mean inter-token gap <= {args.itl_slo:g} s. One replica = one "
