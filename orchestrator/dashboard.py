@@ -1,9 +1,11 @@
 """The Grafana dashboard (deploy/dashboards/tokenfab.json), built from the panel list below.
 
-Two scrape targets feed it: the gateway's `/metrics` (tokenfab_* series: tenants, routing, P/D,
-and every pool replica's load, cache and transfer numbers, see `pool_metrics`) and each Ray node's metrics
-agent (vLLM's own engine series, `ray_vllm_*`, labelled with the Serve `ReplicaId`). vLLM's latency
-histograms are grouped by pool by joining on `tokenfab_replica_info`.
+Two kinds of scrape target feed it: the gateway's `/metrics` (tokenfab_* series: tenants,
+routing, P/D, and every pool replica's load, cache and transfer numbers, see `pool_metrics`) and
+each Ray node's metrics agent: vLLM's own engine series (`ray_vllm_*`, labelled with the Serve
+`ReplicaId`) and, from the head's agent where Serve's controller runs, the autoscaler's
+(`ray_tokenfab_autoscaler_*`). vLLM's latency histograms are grouped by pool by joining on
+`tokenfab_replica_info`.
 
 `tokenfab dashboard` prints it; a test keeps the committed file equal to it, and another scrapes
 a running deployment to check that every series a panel queries is exported.
@@ -92,6 +94,17 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("histogram_quantile(0.9, sum by (tenant, le) "
              "(rate(tokenfab_gateway_queue_seconds_bucket[$__rate_interval])))",
              "wait p90 {{tenant}} (s)"),
+        ]),
+    ]),
+    ("Autoscaler", [
+        ("Replicas: the autoscaler's ask and what runs", "short", [
+            ("max by (pool) (ray_tokenfab_autoscaler_desired_replicas)", "desired {{pool}}"),
+            ('sum by (pool) (tokenfab_pool_replicas{state="ready"})', "ready {{pool}}"),
+        ]),
+        ("Autoscaler decisions", "short", [
+            ("sum by (pool, direction) "
+             "(increase(ray_tokenfab_autoscaler_decisions_total[$__rate_interval]))",
+             "{{pool}} {{direction}}"),
         ]),
     ]),
     ("Prefix cache and routing", [

@@ -35,7 +35,16 @@ def series(node: Any) -> set[str]:
     return set()
 
 
-def dashboard_series(model: dict[str, Any] | None = None) -> set[str]:
+def dashboard_series(model: dict[str, Any] | None = None, rows: set[str] | None = None,
+                     except_rows: set[str] = frozenset()) -> set[str]:
+    """The series the panels read: of the rows named in `rows` (all if None) but `except_rows`."""
     model = model or json.loads(DASHBOARD.read_text())
-    return set().union(*(series(parse(target["expr"])) for panel in model["panels"]
-                         for target in panel.get("targets", [])))
+    found, row = set(), None
+    for panel in model["panels"]:
+        if panel.get("type") == "row":
+            row = panel["title"]
+            continue
+        if (rows is None or row in rows) and row not in except_rows:
+            for target in panel.get("targets", []):
+                found |= series(parse(target["expr"]))
+    return found

@@ -102,6 +102,34 @@ def test_scales_up_under_load_and_down_after_without_failures(scaled: Topology) 
     assert "main: " in status.stdout and "bounds 1..2" in status.stdout
 
 
+def _samples(url: str) -> list[Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, trust_env=False, timeout=10).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def test_dashboard_autoscaler_row_reads_exported_series(scaled: Topology) -> None:
+    """The Grafana dashboard's autoscaler row: its series come from the gateway and from the
+    head's Ray metrics agent, where Serve runs the policy; both directions were counted."""
+    from tests.promql import dashboard_series
+
+    wanted = dashboard_series(rows={"Autoscaler"})
+    agent = f"http://{scaled.cluster.node_ip}:{scaled.cluster.metrics_export_port}/metrics"
+    deadline = time.monotonic() + 60  # Ray's agent exports every few seconds
+    while True:
+        samples = _samples(f"{gateway_url(scaled)}/metrics") + _samples(agent)
+        missing = wanted - {s.name for s in samples}
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert missing == set(), f"queried by the dashboard, exported by nobody: {sorted(missing)}"
+    directions = {s.labels["direction"] for s in samples
+                  if s.name == "ray_tokenfab_autoscaler_decisions_total"
+                  and s.labels.get("pool") == "main" and s.value >= 1}
+    assert directions == {"up", "down"}
+
+
 def test_manual_scale_of_an_autoscaled_pool_is_refused(scaled: Topology) -> None:
     result = subprocess.run([TOKENFAB, "scale", "main", "2", "--dashboard",
                              scaled.cluster.dashboard_url, "--app", scaled.name],

@@ -177,7 +177,13 @@ def _samples(url: str) -> list[Any]:
 def test_dashboard_reads_only_exported_series(pd: PD) -> None:
     """Every series the Grafana dashboard queries is exported: tokenfab's by the gateway, vLLM's
     by the Ray metrics agent; and vLLM's carry the replica ids the join to pools relies on."""
-    wanted = dashboard_series()
+    for stream in (False, True):  # traffic of its own, so the test stands alone too
+        response = pd.http.post("/completions", json={
+            "model": MODEL, "prompt": "dashboard " + "green north " * 80, "max_tokens": 8,
+            "stream": stream})
+        assert response.status_code == 200, response.text
+    time.sleep(2.2)  # replicas report every second
+    wanted = dashboard_series(except_rows={"Autoscaler"})  # test_autoscaling checks that row
     gateway = _samples(f"{pd.root}/metrics")
     agent = f"http://{pd.topology.cluster.node_ip}:{pd.topology.cluster.metrics_export_port}"
     deadline = time.monotonic() + 60  # Ray's agent exports what engines recorded every few s
