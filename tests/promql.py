@@ -48,3 +48,12 @@ def dashboard_series(model: dict[str, Any] | None = None, rows: set[str] | None 
             for target in panel.get("targets", []):
                 found |= series(parse(target["expr"]))
     return found
+
+
+def scrape(url: str) -> list[Any]:
+    """Every sample a Prometheus endpoint exports now."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, trust_env=False, timeout=10).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]

@@ -6,11 +6,13 @@ orchestrator up` against a local head. Reference outputs come from a bare vLLM e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
 import sys
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,19 @@ def ray_cluster(request: pytest.FixtureRequest, reference: dict[str, Any]):
     finally:
         subprocess.run([TOKENFAB, "down", "--dashboard", topology.cluster.dashboard_url,
                         "--stop-ray"], capture_output=True, timeout=300)
+
+
+@contextlib.contextmanager
+def up(path: Path) -> Iterator[Topology]:
+    """A topology deployed with `tokenfab up` on the session cluster, removed afterwards."""
+    topology = load_topology(path)
+    result = subprocess.run([TOKENFAB, "up", str(path), "--timeout", "600"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    try:
+        yield topology
+    finally:
+        remove_app(topology.name, topology.cluster.dashboard_url)
 
 
 def remove_app(name: str, dashboard_url: str) -> None:

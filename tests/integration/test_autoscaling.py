@@ -12,9 +12,10 @@ import httpx
 import pytest
 
 from orchestrator import deploy
-from orchestrator.config import Topology, load_topology
+from orchestrator.config import Topology
 from orchestrator.status import gateway_url
-from tests.integration.conftest import ROOT, TOKENFAB, remove_app
+from tests.integration.conftest import ROOT, TOKENFAB, up
+from tests.promql import scrape
 
 TOPOLOGY = ROOT / "tests/integration/topology-autoscale.yaml"
 SCALE_UP_BOUND_S = 120  # decision within ~1 s, then an engine start (40-60 s on 2 busy cores)
@@ -23,12 +24,8 @@ SCALE_DOWN_BOUND_S = 60  # 5 s calm, then the drain of one replica
 
 @pytest.fixture(scope="module")
 def scaled(ray_cluster) -> Topology:
-    topology = load_topology(TOPOLOGY)
-    result = subprocess.run([TOKENFAB, "up", str(TOPOLOGY), "--timeout", "600"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    yield topology
-    remove_app(topology.name, topology.cluster.dashboard_url)
+    with up(TOPOLOGY) as topology:
+        yield topology
 
 
 def _running(topology: Topology) -> int:
@@ -102,13 +99,6 @@ def test_scales_up_under_load_and_down_after_without_failures(scaled: Topology) 
     assert "main: " in status.stdout and "bounds 1..2" in status.stdout
 
 
-def _samples(url: str) -> list[Any]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url, trust_env=False, timeout=10).text
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
-
-
 def test_dashboard_autoscaler_row_reads_exported_series(scaled: Topology) -> None:
     """The Grafana dashboard's autoscaler row: its series come from the gateway and from the
     head's Ray metrics agent, where Serve runs the policy; both directions were counted."""
@@ -118,7 +108,7 @@ def test_dashboard_autoscaler_row_reads_exported_series(scaled: Topology) -> Non
     agent = f"http://{scaled.cluster.node_ip}:{scaled.cluster.metrics_export_port}/metrics"
     deadline = time.monotonic() + 60  # Ray's agent exports what it got every few seconds
     while True:
-        samples = _samples(f"{gateway_url(scaled)}/metrics") + _samples(agent)
+        samples = scrape(f"{gateway_url(scaled)}/metrics") + scrape(agent)
         missing = wanted - {s.name for s in samples}
         directions = {s.labels["direction"] for s in samples
                       if s.name == "ray_tokenfab_autoscaler_decisions_total"

@@ -21,11 +21,12 @@ from ray import serve
 
 from kvtransfer.nixl import reserve_side_channel
 from kvtransfer.params import decode_body, prefill_body
-from orchestrator.config import Topology, load_topology
+from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.cases import CHATS, FALLBACK, PROMPTS
-from tests.integration.conftest import ROOT, TOKENFAB, remove_app
-from tests.promql import dashboard_series
+from tests.integration.conftest import ROOT, TOKENFAB, up
+from tests.promql import dashboard_series, scrape
+
 
 TOPOLOGY = ROOT / "tests/integration/topology-pd.yaml"
 MODEL = "tiny"
@@ -52,12 +53,8 @@ class PD:
 
 @pytest.fixture(scope="module")
 def pd(ray_cluster, reference: dict[str, Any]):
-    topology = load_topology(TOPOLOGY)
-    result = subprocess.run([TOKENFAB, "up", str(TOPOLOGY), "--timeout", "600"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    yield PD(topology, reference)
-    remove_app(topology.name, topology.cluster.dashboard_url)
+    with up(TOPOLOGY) as topology:
+        yield PD(topology, reference)
 
 
 @pytest.fixture(scope="module")
@@ -173,13 +170,6 @@ def _prefilled(handles, body: dict[str, Any]) -> dict[str, Any]:
     return reply["kv_transfer_params"]
 
 
-def _samples(url: str) -> list[Any]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url, trust_env=False, timeout=10).text
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
-
-
 def test_dashboard_reads_only_exported_series(pd: PD) -> None:
     """Every series the Grafana dashboard queries is exported: tokenfab's by the gateway, vLLM's
     by the Ray metrics agent; and vLLM's carry the replica ids the join to pools relies on."""
@@ -190,11 +180,11 @@ def test_dashboard_reads_only_exported_series(pd: PD) -> None:
         assert response.status_code == 200, response.text
     time.sleep(2.2)  # replicas report every second
     wanted = dashboard_series(except_rows={"Autoscaler"})  # test_autoscaling checks that row
-    gateway = _samples(f"{pd.root}/metrics")
+    gateway = scrape(f"{pd.root}/metrics")
     agent = f"http://{pd.topology.cluster.node_ip}:{pd.topology.cluster.metrics_export_port}"
     deadline = time.monotonic() + 60  # Ray's agent exports what engines recorded every few s
     while True:
-        engine = _samples(f"{agent}/metrics")
+        engine = scrape(f"{agent}/metrics")
         missing = wanted - {s.name for s in gateway} - {s.name for s in engine}
         if not missing or time.monotonic() > deadline:
             break

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,9 +13,10 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.config import Topology, load_topology
+from orchestrator.config import Topology
 from orchestrator.status import gateway_url
-from tests.integration.conftest import ROOT, TOKENFAB, remove_app
+from tests.integration.conftest import ROOT, up
+from tests.promql import scrape
 
 TOPOLOGY = ROOT / "tests/integration/topology-tenants.yaml"
 MODEL = "tiny"
@@ -26,12 +26,8 @@ SHARED_PROMPT = "tenant isolation probe: " + " ".join(f"word{i % 97} green" for 
 
 @pytest.fixture(scope="module")
 def tenants(ray_cluster) -> Topology:
-    topology = load_topology(TOPOLOGY)
-    result = subprocess.run([TOKENFAB, "up", str(TOPOLOGY), "--timeout", "600"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    yield topology
-    remove_app(topology.name, topology.cluster.dashboard_url)
+    with up(TOPOLOGY) as topology:
+        yield topology
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +48,7 @@ def _post(root: str, key: str | None, body: dict[str, Any], path: str = "/v1/com
 
 
 def _metric(root: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{root}/metrics", trust_env=False).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+    return sum(s.value for s in scrape(f"{root}/metrics")
                if s.name == name and labels.items() <= s.labels.items())
 
 
