@@ -13,14 +13,21 @@ Up, when any of these asks for more than the running replicas (the largest ask w
   faster than they drain; the queue asks for `ceil(waiting / target_ongoing)` more replicas at
   once, before the latency of the queued requests shows it.
   Example: 1 replica, 2 running, 9 waiting, limit 4 per replica -> 1 + ceil(9 / 8) = 3.
+- backlog (prefill and unified pools): the prompt tokens queued for prefill, at the measured
+  prefill capacity of a replica, take longer to drain than the TTFT target; the pool asks for
+  the replicas that would clear them within it, `ceil(queued / (capacity x ttft_target))`.
+  This is capacity sizing in tokens: it sees a burst of long prompts when it arrives, before any
+  of them has a first token to measure, and it sees ten long prompts as more than ten short ones.
+  Example: 1 replica that prefills 20,000 tokens/s, 90,000 prompt tokens queued, TTFT target
+  2 s: draining takes 4.5 s > 2 s, so ceil(90,000 / 40,000) = 3 replicas.
 - latency: a p90 above its target (TTFT for prefill and unified pools, inter-token latency for
   decode and unified pools) asks for `ceil(replicas x p90 / target)`.
   Example: 2 decode replicas, ITL p90 0.3 s against 0.2 s -> ceil(2 x 1.5) = 3.
 - KV: the fullest replica above `max_kv_usage` asks for one more.
 
-Down, by one replica, when every signal has stayed under `scale_down_margin` of its target and
-the load would fit one replica fewer for `downscale_delay_s`; the calm clock then restarts, so
-each further step waits as long again.
+Down, by one replica, when every signal (the backlog's drain time included) has stayed under
+`scale_down_margin` of its target and the load would fit one replica fewer for
+`downscale_delay_s`; the calm clock then restarts, so each further step waits as long again.
 Example: margin 0.5, target_ongoing 8, 3 replicas with 6 ongoing, no waiting, latencies and KV
 low: 6 <= 0.5 x 8 x 2, so after 30 calm seconds 3 -> 2; 2 -> 1 needs 6 <= 4: it stays at 2.
 
@@ -68,12 +75,25 @@ def _uses_itl(role: str) -> bool:
     return role in ("decode", "unified")
 
 
+def _drain_s(s: PoolSignals, current: int) -> float:
+    """Seconds the pool's replicas need to prefill what is queued (0 before any measurement)."""
+    if s.queued_prompt_tokens <= 0 or s.prefill_capacity_tokens_per_s <= 0 or current <= 0:
+        return 0.0
+    return s.queued_prompt_tokens / (s.prefill_capacity_tokens_per_s * current)
+
+
 def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
     asks = [(math.ceil(s.ongoing / t.target_ongoing),
              f"load: {s.ongoing:.1f} ongoing / {t.target_ongoing:g} per replica")]
     if s.waiting > t.max_waiting_per_replica * current:
         asks.append((current + math.ceil(s.waiting / t.target_ongoing),
                      f"burst: {s.waiting:.1f} waiting > {t.max_waiting_per_replica:g} per replica"))
+    drain_s = _drain_s(s, current)
+    if _uses_ttft(t.role) and drain_s > t.ttft_p90_s:
+        capacity = s.prefill_capacity_tokens_per_s
+        asks.append((math.ceil(s.queued_prompt_tokens / (capacity * t.ttft_p90_s)),
+                     f"backlog: {s.queued_prompt_tokens:.0f} prompt tokens queued, {drain_s:.1f}s "
+                     f"to drain at {capacity:.0f} tokens/s per replica > {t.ttft_p90_s:g}s"))
     if _uses_ttft(t.role) and s.ttft_p90_s > t.ttft_p90_s:
         asks.append((math.ceil(current * s.ttft_p90_s / t.ttft_p90_s),
                      f"TTFT p90 {s.ttft_p90_s:.2f}s > {t.ttft_p90_s:g}s"))
@@ -90,7 +110,8 @@ def _calm(s: PoolSignals, t: Targets, current: int) -> bool:
     return (s.waiting == 0
             and s.ongoing <= m * t.target_ongoing * (current - 1)
             and s.kv_cache_usage <= m * t.max_kv_usage
-            and (not _uses_ttft(t.role) or s.ttft_p90_s <= m * t.ttft_p90_s)
+            and (not _uses_ttft(t.role) or max(s.ttft_p90_s, _drain_s(s, current))
+                 <= m * t.ttft_p90_s)
             and (not _uses_itl(t.role) or s.itl_p90_s <= m * t.itl_p90_s))
 
 

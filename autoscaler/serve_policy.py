@@ -22,7 +22,7 @@ _metrics: dict[str, Any] = {}
 
 
 def _record(app: str, pool: str, current: int, desired: int, reason: str,
-            targets: Targets) -> None:
+            targets: Targets, state: dict[str, Any]) -> None:
     import ray
 
     if not ray.is_initialized():  # outside a cluster (unit tests): the log line is the record
@@ -46,7 +46,9 @@ def _record(app: str, pool: str, current: int, desired: int, reason: str,
         get_registry(app).record_scale.remote(ScaleRecord(
             pool=pool, current=current, desired=desired, reason=reason, at=time.time(),
             min_replicas=targets.min_replicas, max_replicas=targets.max_replicas,
-            ttft_p90_s=targets.ttft_p90_s, itl_p90_s=targets.itl_p90_s))
+            ttft_p90_s=targets.ttft_p90_s, itl_p90_s=targets.itl_p90_s,
+            last_change=state.get("last_change", ""),
+            last_change_at=state.get("last_change_at", 0.0)))
     except Exception:  # noqa: BLE001 - bookkeeping must never stop scaling
         logger.exception("could not record the autoscaling decision of pool %s", pool)
 
@@ -61,7 +63,7 @@ class PoolPolicy:
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         t, pool = self.targets, self.pool
         state = dict(ctx.policy_state or {})
-        now = ctx.current_time or time.time()
+        now = ctx.current_time if ctx.current_time is not None else time.time()
         current = ctx.current_num_replicas
         signals = pool_signals(ctx.aggregated_metrics or {}, current)
         if current == 0 and ctx.total_num_requests:  # requests held at handles, no replica yet
@@ -74,11 +76,14 @@ class PoolPolicy:
         changed = desired != state.get("desired", current)
         if changed:  # Serve asks every ~0.1 s: a line per new decision, not per question
             logger.info("pool %s: %d -> %d replicas (%s); ongoing %.1f, waiting %.1f, KV %.2f, "
-                        "TTFT p90 %.2fs, ITL p90 %.3fs", pool, current, desired, decision.reason,
-                        signals.ongoing, signals.waiting, signals.kv_cache_usage,
+                        "queued prompt tokens %.0f, TTFT p90 %.2fs, ITL p90 %.3fs", pool, current,
+                        desired, decision.reason, signals.ongoing, signals.waiting,
+                        signals.kv_cache_usage, signals.queued_prompt_tokens,
                         signals.ttft_p90_s, signals.itl_p90_s)
+            state.update(last_change=f"{current} -> {desired}: {decision.reason}",
+                         last_change_at=now)
         if changed or now - state.get("recorded_at", 0.0) >= 5.0:
-            _record(self.app, pool, current, desired, decision.reason, t)
+            _record(self.app, pool, current, desired, decision.reason, t, state)
             state["recorded_at"] = now
         state["desired"] = desired
         state.update(calm_since=decision.calm_since, idle_since=decision.idle_since,

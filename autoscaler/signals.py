@@ -3,12 +3,16 @@
 Every replica reports `ReplicaSignals` to Ray Serve (`record_autoscaling_stats`); Serve averages
 each one over its look-back window per replica and hands them to the pool's policy, which folds
 them into one `PoolSignals`. Latencies are the replica's recent p90 (a sliding window of what its
-engine measured); throughputs are tokens per second over the same window.
+engine measured); throughputs are tokens per second over the same window. Queued prompt tokens are
+the prompts of the replica's requests still in their prefill (vLLM's own count); prefill capacity
+is what the engine computes per second while it prefills (the p90 of its recent steps' prompt
+tokens over step time), so backlog / capacity is how long the queue takes to drain.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -26,6 +30,8 @@ class ReplicaSignals(msgspec.Struct, frozen=True):
     itl_p90_s: float = 0.0
     prompt_tokens_per_s: float = 0.0
     generation_tokens_per_s: float = 0.0
+    queued_prompt_tokens: float = 0.0
+    prefill_capacity_tokens_per_s: float = 0.0  # 0 until the engine has prefilled
 
 
 class PoolSignals(msgspec.Struct, frozen=True):
@@ -39,6 +45,8 @@ class PoolSignals(msgspec.Struct, frozen=True):
     itl_p90_s: float = 0.0
     prompt_tokens_per_s: float = 0.0
     generation_tokens_per_s: float = 0.0
+    queued_prompt_tokens: float = 0.0
+    prefill_capacity_tokens_per_s: float = 0.0  # per replica: the mean of those that measured it
 
     @property
     def ongoing(self) -> float:
@@ -51,6 +59,8 @@ def pool_signals(per_metric: Mapping[str, Mapping[object, float]], replicas: int
     def values(name: str) -> list[float]:
         return [v for v in (per_metric.get(name) or {}).values() if math.isfinite(v)]
 
+    capacities = [v for v in values("prefill_capacity_tokens_per_s") if v > 0]
+
     return PoolSignals(
         replicas=replicas,
         running=sum(values("running")),
@@ -60,6 +70,8 @@ def pool_signals(per_metric: Mapping[str, Mapping[object, float]], replicas: int
         itl_p90_s=max(values("itl_p90_s"), default=0.0),
         prompt_tokens_per_s=sum(values("prompt_tokens_per_s")),
         generation_tokens_per_s=sum(values("generation_tokens_per_s")),
+        queued_prompt_tokens=sum(values("queued_prompt_tokens")),
+        prefill_capacity_tokens_per_s=statistics.fmean(capacities) if capacities else 0.0,
     )
 
 

@@ -65,8 +65,8 @@ def request_router_config(policy: str) -> RequestRouterConfig | None:
 
 def autoscaling_config(topology: Topology, pool: PoolSpec) -> dict[str, Any]:
     """Serve's autoscaling for a pool: tokenfab's policy (autoscaler.serve_policy) with the
-    topology's targets. Serve's own delays are off: the policy keeps its own."""
-    spec = topology.autoscaler
+    topology's targets (and the pool's own). Serve's own delays are off: the policy keeps its own."""
+    spec = topology.targets(pool)
     if spec.policy == "ray_requests":
         return {"min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
                 "initial_replicas": pool.replicas,

@@ -103,6 +103,21 @@ class Resources(_Strict):
         return None if value is None else parse_bytes(value)
 
 
+class PoolTargets(_Strict):
+    """A pool's own autoscaling targets; each one left out is the topology's `autoscaler` value.
+    Prefill and decode pools usually want different ones (a prefill replica serves fewer
+    concurrent requests than a decode replica)."""
+
+    ttft_p90_s: float | None = Field(None, gt=0, description="TTFT target (prefill, unified).")
+    itl_p90_s: float | None = Field(None, gt=0, description="Inter-token latency target "
+                                    "(decode, unified).")
+    max_kv_usage: float | None = Field(None, gt=0, le=1, description="KV usage that asks for more.")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="Requests one replica of this pool serves within the targets.")
+    max_waiting_per_replica: float | None = Field(
+        None, ge=0, description="Waiting requests per replica that count as a burst.")
+
+
 class PoolSpec(_Strict):
     """A set of identical engine replicas with one role."""
 
@@ -116,6 +131,9 @@ class PoolSpec(_Strict):
         default_factory=dict, description="vLLM engine arguments for this pool only."
     )
     max_ongoing_requests: int = Field(64, ge=1, description="Requests one replica accepts.")
+    autoscaling: PoolTargets = Field(
+        default_factory=PoolTargets, description="This pool's autoscaling targets, over the "
+        "topology's autoscaler section.")
 
     @field_validator("engine_args")
     @classmethod
@@ -406,6 +424,11 @@ class Topology(_Strict):
             raise ValueError("router.policy kv_aware reads the engines' KV events: set "
                              "kv_events.enabled to true or choose prefix_approx")
         return self
+
+    def targets(self, pool: PoolSpec) -> AutoscalerSpec:
+        """The autoscaler's settings for one pool: the topology's, with the pool's own targets."""
+        own = pool.autoscaling.model_dump(exclude_none=True)
+        return self.autoscaler.model_copy(update=own) if own else self.autoscaler
 
     def autoscaled(self, pool: PoolSpec) -> bool:
         """Whether the autoscaler sizes this pool."""

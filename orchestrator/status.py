@@ -6,6 +6,7 @@ process to join the Ray cluster.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -113,5 +114,8 @@ def render_scaling(records: list[dict[str, Any]]) -> str:
     for r in records:
         lines.append(f"  {r['pool']}: {r['current']} -> {r['desired']} replicas "
                      f"(bounds {r['min_replicas']}..{r['max_replicas']}; targets TTFT p90 "
-                     f"{r['ttft_p90_s']:g}s, ITL p90 {r['itl_p90_s']:g}s); last: {r['reason']}")
+                     f"{r['ttft_p90_s']:g}s, ITL p90 {r['itl_p90_s']:g}s); now: {r['reason']}")
+        if r.get("last_change"):
+            ago = max(0.0, time.time() - r["last_change_at"])
+            lines.append(f"    last change {ago:.0f}s ago: {r['last_change']}")
     return "\n".join(lines)

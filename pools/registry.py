@@ -51,6 +51,8 @@ class ScaleRecord(msgspec.Struct, frozen=True):
     max_replicas: int
     ttft_p90_s: float
     itl_p90_s: float
+    last_change: str = ""  # "1 -> 2: <reason>" of the latest decision that moved the count
+    last_change_at: float = 0.0
 
 
 def registry_name(app: str) -> str:

@@ -72,15 +72,19 @@ class _LoadRecorder:
         self.snapshot = LoadSnapshot()
         self._ttft, self._itl = Window(window_s), Window(window_s)
         self._prompt, self._generated = Window(window_s), Window(window_s)
+        self._prefill_rate = Window(window_s)  # prompt tokens / step time, of steps that prefilled
+        self._last_step: float | None = None
 
-    def signals(self) -> ReplicaSignals:
+    def signals(self, queued_prompt_tokens: int = 0) -> ReplicaSignals:
         """The autoscaler's view of this engine: load now, latencies and rates of the window."""
         snap = self.snapshot
         return ReplicaSignals(
             running=float(snap.running), waiting=float(snap.waiting),
             kv_cache_usage=snap.kv_cache_usage, ttft_p90_s=self._ttft.p90(),
             itl_p90_s=self._itl.p90(), prompt_tokens_per_s=self._prompt.rate(),
-            generation_tokens_per_s=self._generated.rate())
+            generation_tokens_per_s=self._generated.rate(),
+            queued_prompt_tokens=float(queued_prompt_tokens),
+            prefill_capacity_tokens_per_s=self._prefill_rate.p90())
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -125,6 +129,13 @@ class _LoadRecorder:
         for seconds in iteration.inter_token_latencies_iter:
             self._itl.add(seconds)
         self._prompt.add(prompt.computed)
+        # Steps follow each other while the engine is busy, so the time since the previous
+        # step's output is this step's duration; after an idle gap it is longer, which only
+        # lowers that sample (the p90 of the window reads the busy steps).
+        step_end, previous = iteration.iteration_timestamp, self._last_step
+        self._last_step = step_end
+        if prompt.computed and previous is not None and step_end > previous:
+            self._prefill_rate.add(prompt.computed / (step_end - previous))
         self._generated.add(iteration.num_generation_tokens)
         self.snapshot = msgspec.structs.replace(
             old,
@@ -265,7 +276,8 @@ class VllmEngine:
         return self._recorder.snapshot
 
     def signals(self) -> ReplicaSignals:
-        return self._recorder.signals()
+        queued = self._llm.get_num_queued_tokens() if self._llm is not None else 0
+        return self._recorder.signals(queued)
 
     def shutdown(self) -> None:
         if self._llm is not None:

@@ -4,17 +4,15 @@ back down after it, and no request fails during either transition (topology-auto
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
-from typing import Any
 
 import httpx
 import pytest
 
-from orchestrator import deploy
 from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.conftest import ROOT, TOKENFAB, up
+from tests.integration.scaling import Load, running, wait_for
 from tests.promql import scrape
 
 TOPOLOGY = ROOT / "tests/integration/topology-autoscale.yaml"
@@ -28,65 +26,17 @@ def scaled(ray_cluster) -> Topology:
         yield topology
 
 
-def _running(topology: Topology) -> int:
-    app = deploy.ServeClient(topology.cluster.dashboard_url).application(topology.name) or {}
-    replicas = ((app.get("deployments") or {}).get("pool-main") or {}).get("replicas") or []
-    return sum(1 for r in replicas if r["state"] == "RUNNING")
-
-
-class Load:
-    """`clients` threads sending requests back to back; every status is kept."""
-
-    def __init__(self, root: str, clients: int, max_tokens: int) -> None:
-        self._root, self._max_tokens = root, max_tokens
-        self.statuses: list[int] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
-
-    def _client(self, index: int) -> None:
-        with httpx.Client(trust_env=False, timeout=300) as http:
-            n = 0
-            while not self._stop.is_set():
-                n += 1
-                try:
-                    response = http.post(f"{self._root}/v1/completions", json={
-                        "model": "tiny", "prompt": f"autoscale {index} {n}",
-                        "max_tokens": self._max_tokens, "ignore_eos": True})
-                    self.statuses.append(response.status_code)
-                except httpx.HTTPError:
-                    self.statuses.append(0)
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=300)
-
-
-def _wait_for(topology: Topology, replicas: int, bound_s: float) -> float:
-    started = time.monotonic()
-    while _running(topology) != replicas:
-        assert time.monotonic() - started < bound_s, \
-            f"not at {replicas} replicas after {bound_s} s (now {_running(topology)})"
-        time.sleep(1)
-    return time.monotonic() - started
-
-
 def test_scales_up_under_load_and_down_after_without_failures(scaled: Topology) -> None:
     root = gateway_url(scaled)
-    assert _running(scaled) == 1
+    assert running(scaled, "main") == 1
     with Load(root, clients=8, max_tokens=64) as heavy:
-        up_s = _wait_for(scaled, 2, SCALE_UP_BOUND_S)
+        up_s = wait_for(scaled, "main", 2, SCALE_UP_BOUND_S)
         time.sleep(3)  # traffic reaches the new replica
     assert heavy.statuses and set(heavy.statuses) == {200}, heavy.statuses
     decision = httpx.get(f"{root}/tokenfab/autoscaler", trust_env=False).json()
     assert decision and decision[0]["pool"] == "main"
     with Load(root, clients=1, max_tokens=8) as trickle:  # calm, but never idle
-        down_s = _wait_for(scaled, 1, SCALE_DOWN_BOUND_S)
+        down_s = wait_for(scaled, "main", 1, SCALE_DOWN_BOUND_S)
         time.sleep(2)
     assert trickle.statuses and set(trickle.statuses) == {200}, trickle.statuses
     (record,) = httpx.get(f"{root}/tokenfab/autoscaler", trust_env=False).json()
@@ -97,6 +47,7 @@ def test_scales_up_under_load_and_down_after_without_failures(scaled: Topology) 
                              "--app", scaled.name], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "autoscaler:" in status.stdout, status.stdout
     assert "main: " in status.stdout and "bounds 1..2" in status.stdout
+    assert "last change" in status.stdout and "2 -> 1: calm for" in status.stdout, status.stdout
 
 
 def test_dashboard_autoscaler_row_reads_exported_series(scaled: Topology) -> None:

@@ -29,6 +29,16 @@ def sig(replicas: int, **kw: float) -> PoolSignals:
     (sig(2, running=4, itl_p90_s=0.3), DECODE, 2, 3, "ITL"),  # ceil(2 x 0.3 / 0.2)
     (sig(2, running=4, kv_cache_usage=0.9), DECODE, 2, 3, "KV"),
     (sig(1, running=2, ttft_p90_s=5.0), PREFILL, 1, 3, "TTFT"),  # ceil(1 x 5 / 2)
+    # 90,000 queued prompt tokens at 20,000/s take 4.5 s > 2 s: ceil(90,000 / 40,000)
+    (sig(1, running=2, queued_prompt_tokens=90_000, prefill_capacity_tokens_per_s=20_000),
+     PREFILL, 1, 3, "backlog"),
+    # the same backlog on 3 replicas drains in 1.5 s: within the target
+    (sig(3, running=6, queued_prompt_tokens=90_000, prefill_capacity_tokens_per_s=20_000),
+     PREFILL, 3, 3, "within targets"),
+    # a backlog with no capacity measured yet asks for nothing; decode pools ignore it
+    (sig(1, running=2, queued_prompt_tokens=90_000), PREFILL, 1, 1, "within targets"),
+    (sig(1, running=2, queued_prompt_tokens=90_000, prefill_capacity_tokens_per_s=20_000),
+     DECODE, 1, 1, "within targets"),
     # latency targets apply by role: prefill ignores ITL, decode ignores TTFT
     (sig(1, running=2, itl_p90_s=1.0), PREFILL, 1, 1, "within targets"),
     (sig(1, running=2, ttft_p90_s=9.0), DECODE, 1, 1, "within targets"),
@@ -125,11 +135,51 @@ def test_pool_signals_fold_replicas_and_windows() -> None:
                            "itl_p90_s": {"a": float("nan"), "b": 0.1}}, replicas=2)
     assert (folded.running, folded.waiting, folded.ongoing) == (5, 1, 6)
     assert (folded.kv_cache_usage, folded.ttft_p90_s, folded.itl_p90_s) == (0.7, 1.5, 0.1)
+    folded = pool_signals({"queued_prompt_tokens": {"a": 3000, "b": 1000},
+                           "prefill_capacity_tokens_per_s": {"a": 10_000, "b": 0, "c": 20_000}},
+                          replicas=3)  # b has not prefilled yet: the others' mean stands for it
+    assert (folded.queued_prompt_tokens, folded.prefill_capacity_tokens_per_s) == (4000, 15_000)
     window = Window(10.0)
     for i in range(10):
         window.add(float(i + 1), now=float(i))
     assert window.p90(now=9.0) == 10.0 and window.rate(now=9.0) == 5.5
     assert window.p90(now=30.0) == 0.0
+
+
+def test_backlog_drained_keeps_the_pool_from_stepping_down() -> None:
+    """A pool whose queue still takes more than half the TTFT target to drain is not calm."""
+    busy = sig(2, running=1, queued_prompt_tokens=50_000, prefill_capacity_tokens_per_s=20_000)
+    d = decide(busy, PREFILL, 2, now=0.0)  # 1.25 s to drain > 0.5 x 2 s
+    assert d.replicas == 2 and d.calm_since is None
+    drained = sig(2, running=1, queued_prompt_tokens=2_000, prefill_capacity_tokens_per_s=20_000)
+    d = decide(drained, PREFILL, 2, now=0.0)
+    d = decide(drained, PREFILL, 2, now=30.0, calm_since=d.calm_since)
+    assert d.replicas == 1
+
+
+def test_prefill_capacity_is_measured_on_busy_steps() -> None:
+    """The engine's recorder: prompt tokens over the time since the previous step, for steps
+    that prefilled; the p90 reads the busy steps, not one that followed an idle gap."""
+    from types import SimpleNamespace
+
+    from pools.vllm_engine import _LoadRecorder
+
+    def step(at: float, computed: int) -> SimpleNamespace:
+        return SimpleNamespace(iteration_timestamp=at, num_generation_tokens=1,
+                               prompt_token_stats=SimpleNamespace(computed=computed,
+                                                                  local_cache_hit=0,
+                                                                  external_kv_transfer=0),
+                               time_to_first_tokens_iter=[], inter_token_latencies_iter=[])
+
+    recorder = _LoadRecorder()
+    recorder.count_tokens(step(100.0, 0))
+    recorder.count_tokens(step(105.0, 2048))  # after 5 s idle: 410 tokens/s, not the capacity
+    for i in range(1, 10):  # back to back: 2048 tokens every 0.1 s
+        recorder.count_tokens(step(105.0 + 0.1 * i, 2048))
+    recorder.count_tokens(step(106.0, 0))  # decode only: no sample
+    signals = recorder.signals(queued_prompt_tokens=6144)
+    assert signals.prefill_capacity_tokens_per_s == pytest.approx(20_480)
+    assert signals.queued_prompt_tokens == 6144
 
 
 def test_serve_policy_reads_serve_context_and_keeps_state() -> None:
@@ -147,6 +197,7 @@ def test_serve_policy_reads_serve_context_and_keeps_state() -> None:
 
     desired, state = policy(ctx(1, 1, 0.0, {}, running={"r1": 2.0}, waiting={"r1": 3.0}))
     assert desired == 3 and state["reason"].startswith("load: 5.0 ongoing")
+    assert state["last_change"] == f"1 -> 3: {state['reason']}" and state["last_change_at"] == 0.0
     # while the new replicas start, a calmer moment never cancels them
     desired, state = policy(ctx(1, 3, 1.0, state, running={"r1": 1.0}))
     assert desired == 3
@@ -154,6 +205,7 @@ def test_serve_policy_reads_serve_context_and_keeps_state() -> None:
     assert desired == 3 and state["calm_since"] == 2.0
     desired, state = policy(ctx(3, 3, 12.0, state, running={"r1": 0, "r2": 0, "r3": 0}))
     assert desired == 2 and "calm" in state["reason"]
+    assert state["last_change"].startswith("3 -> 2: calm for 10s")
 
 
 def test_prefill_and_decode_pools_scale_independently() -> None:
@@ -165,3 +217,29 @@ def test_prefill_and_decode_pools_scale_independently() -> None:
     assert decide(prompt_heavy, DECODE, 1, now=0.0).replicas == 1
     assert decide(generation_heavy, PREFILL, 1, now=0.0).replicas == 1
     assert decide(generation_heavy, DECODE, 1, now=0.0).replicas == 3  # ceil(0.5 / 0.2)
+    long_prompts = sig(1, running=2, queued_prompt_tokens=200_000,
+                       prefill_capacity_tokens_per_s=25_000)  # 8 s of queued prefill
+    assert decide(long_prompts, PREFILL, 1, now=0.0).replicas == 4  # ceil(200k / 50k)
+    assert decide(long_prompts, DECODE, 1, now=0.0).replicas == 1
+
+
+def test_pools_override_the_topologys_targets() -> None:
+    from orchestrator.app import autoscaling_config
+    from orchestrator.config import Topology
+
+    topology = Topology.model_validate({
+        "name": "pd", "model": {"name": "m", "path": "/m"},
+        "pools": [{"name": "prefill", "role": "prefill", "min_replicas": 1, "max_replicas": 4,
+                   "resources": {"gpus": 1},
+                   "autoscaling": {"target_ongoing_requests": 2, "ttft_p90_s": 0.5}},
+                  {"name": "decode", "role": "decode", "min_replicas": 1, "max_replicas": 4,
+                   "resources": {"gpus": 1}}],
+        "autoscaler": {"target_ongoing_requests": 32, "ttft_p90_s": 1.0}})
+    kwargs = {p.name: autoscaling_config(topology, p)["policy"]["policy_kwargs"]
+              for p in topology.pools}
+    assert (kwargs["prefill"]["target_ongoing"], kwargs["prefill"]["ttft_p90_s"]) == (2, 0.5)
+    assert (kwargs["decode"]["target_ongoing"], kwargs["decode"]["ttft_p90_s"]) == (32, 1.0)
+    with pytest.raises(ValueError, match="autoscaling.target_ongoing_requests"):
+        Topology.model_validate({**topology.model_dump(), "pools": [
+            {**topology.pools[0].model_dump(), "autoscaling": {"target_ongoing_requests": 0}},
+            topology.pools[1].model_dump()]})

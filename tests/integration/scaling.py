@@ -1,0 +1,70 @@
+"""Helpers of the autoscaling tests: closed-loop load, and the replica counts Serve reports."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from orchestrator import deploy
+from orchestrator.config import Topology, pool_deployment_name
+
+
+def running(topology: Topology, pool: str) -> int:
+    """RUNNING replicas of a pool, as Serve reports them."""
+    app = deploy.ServeClient(topology.cluster.dashboard_url).application(topology.name) or {}
+    deployment = (app.get("deployments") or {}).get(pool_deployment_name(pool)) or {}
+    return sum(1 for r in deployment.get("replicas") or [] if r["state"] == "RUNNING")
+
+
+def wait_for(topology: Topology, pool: str, replicas: int, bound_s: float,
+             watch: dict[str, int] | None = None) -> float:
+    """Seconds until `pool` runs `replicas`; fails past `bound_s`, or if a pool in `watch`
+    leaves its count ({pool: replicas}) meanwhile."""
+    started = time.monotonic()
+    while running(topology, pool) != replicas:
+        elapsed = time.monotonic() - started
+        assert elapsed < bound_s, \
+            f"{pool} not at {replicas} replicas after {bound_s} s (now {running(topology, pool)})"
+        for other, count in (watch or {}).items():
+            assert running(topology, other) == count, f"{other} left {count} replicas"
+        time.sleep(1)
+    return time.monotonic() - started
+
+
+class Load:
+    """`clients` threads sending completions back to back; every status is kept.
+    `prompt(client, n)` makes each request's prompt."""
+
+    def __init__(self, root: str, clients: int, max_tokens: int,
+                 prompt: Callable[[int, int], str] = lambda i, n: f"autoscale {i} {n}") -> None:
+        self._root, self._max_tokens, self._prompt = root, max_tokens, prompt
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
+
+    def _client(self, index: int) -> None:
+        with httpx.Client(trust_env=False, timeout=300) as http:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                try:
+                    response = http.post(f"{self._root}/v1/completions", json={
+                        "model": "tiny", "prompt": self._prompt(index, n),
+                        "max_tokens": self._max_tokens, "ignore_eos": True})
+                    self.statuses.append(response.status_code)
+                except httpx.HTTPError:
+                    self.statuses.append(0)
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=300)
