@@ -1,7 +1,7 @@
 """Autoscaling on a bursty load (quiet, burst, quiet) against real engines, four setups, one run.
 
-One unified pool of the tiny model (one core per replica, at most 2 replicas on this machine)
-serves the same open-loop arrival pattern under:
+One unified pool of the tiny model (at most 2 replicas on this machine) serves the same open-loop
+arrival pattern under:
 
 - autoscaler: tokenfab's policy, 1..2 replicas;
 - static_min: 1 replica; static_max: 2 replicas;
@@ -12,6 +12,11 @@ is at most --ttft-slo and its mean inter-token gap at most --itl-slo; failures m
 Replica-seconds integrate the pool's running replicas (Serve's view, polled every second) over
 the run.
 
+Each engine gets `--engine-share` of a core (benchmarks/engine_share.py, a CPU cgroup quota), so
+a replica adds a fixed quantum of compute as an accelerator does and the front-ends keep the rest
+of the machine; `--engine-share 0` leaves engines uncapped (on 2 cores a second engine then
+starves the front-ends, see the note in results/autoscaler.md).
+
     .venv/bin/python benchmarks/autoscaling.py [--quiet-rps 1 --burst-rps 9 --phases 40,100,80]
 
 Writes benchmarks/results/autoscaler.json, autoscaler.md and autoscaler.png.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,6 +39,7 @@ import numpy as np
 
 from orchestrator import cluster, deploy
 from orchestrator.config import Topology, parse_topology
+from engine_share import EngineShare
 from harness import deployed, remove
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -175,10 +182,11 @@ def markdown(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         "# Autoscaling on a bursty load", "",
         f"`python benchmarks/autoscaling.py --phases {args.phases} --quiet-rps {args.quiet_rps} "
-        f"--burst-rps {args.burst_rps}`: Poisson arrivals, quiet / burst / quiet; each request "
-        f"a {PROMPT_WORDS}-word prompt and {OUTPUT_TOKENS} streamed tokens; SLO: TTFT <= "
-        f"{args.ttft_slo:g} s and mean inter-token gap <= {args.itl_slo:g} s. One replica = one "
-        "core, tiny model; engine start 40-60 s on this machine. Plot: autoscaler.png.", "",
+        f"--burst-rps {args.burst_rps} --engine-share {args.engine_share:g}`: Poisson arrivals, "
+        f"quiet / burst / quiet; each request a {PROMPT_WORDS}-word prompt and {OUTPUT_TOKENS} streamed tokens; SLO: TTFT <= "
+        f"{args.ttft_slo:g} s and mean inter-token gap <= {args.itl_slo:g} s. Tiny model; each "
+        f"engine capped at {args.engine_share:g} of a core (`--engine-share`, 0 = uncapped). "
+        f"Plot: {args.name}.png.", "",
         "| setup | SLO attainment | replica-seconds | requests | failed | TTFT p50 / p90 (s) | "
         "ITL p90 (s) | max replicas |",
         "|---|---|---|---|---|---|---|---|",
@@ -204,27 +212,32 @@ def main() -> None:
     parser.add_argument("--ttft-slo", type=float, default=1.0)
     parser.add_argument("--itl-slo", type=float, default=0.2)
     parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--engine-share", type=float, default=0.4,
+                        help="share of a core each engine may use (0: uncapped)")
+    parser.add_argument("--name", default="autoscaler", help="results/<name>.{json,md,png}")
     args = parser.parse_args()
     quiet, burst, after = (float(x) for x in args.phases.split(","))
     phases = [(quiet, args.quiet_rps), (burst, args.burst_rps), (after, args.quiet_rps)]
     times = arrivals(phases)
     cluster.start_head(topology("static_min").cluster)
     records, loads = [], {}
+    share = EngineShare(args.engine_share) if args.engine_share > 0 else contextlib.nullcontext()
     try:
-        for setup in args.setups.split(","):
-            t = topology(setup)
-            print(f"{setup}: deploying")
-            root = deployed(t)
-            loads[setup] = asyncio.run(run(t, root, times))
-            records.append(summarize(setup, loads[setup], args.ttft_slo, args.itl_slo))
-            print(json.dumps(records[-1]))
-            remove(t)
+        with share:
+            for setup in args.setups.split(","):
+                t = topology(setup)
+                print(f"{setup}: deploying")
+                root = deployed(t)
+                loads[setup] = asyncio.run(run(t, root, times))
+                records.append(summarize(setup, loads[setup], args.ttft_slo, args.itl_slo))
+                print(json.dumps(records[-1]))
+                remove(t)
     finally:
         cluster.stop_ray()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "autoscaler.json").write_text(json.dumps({"records": records}, indent=2))
-    (RESULTS / "autoscaler.md").write_text(markdown(records, args))
-    plot(loads, RESULTS / "autoscaler.png", phases)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"records": records}, indent=2))
+    (RESULTS / f"{args.name}.md").write_text(markdown(records, args))
+    plot(loads, RESULTS / f"{args.name}.png", phases)
     print(markdown(records, args))
 
 
