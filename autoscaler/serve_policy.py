@@ -14,6 +14,8 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 from autoscaler.policy import Targets, decide
 from autoscaler.signals import pool_signals
 
@@ -66,8 +68,9 @@ class PoolPolicy:
         now = ctx.current_time if ctx.current_time is not None else time.time()
         current = ctx.current_num_replicas
         signals = pool_signals(ctx.aggregated_metrics or {}, current)
-        if current == 0 and ctx.total_num_requests:  # requests held at handles, no replica yet
-            signals = type(signals)(replicas=0, waiting=float(ctx.total_num_requests))
+        held = float(ctx.total_num_requests or 0) - signals.ongoing
+        if held > 0:  # Serve's handles hold requests beyond max_ongoing_requests: a queue too
+            signals = msgspec.structs.replace(signals, waiting=signals.waiting + held)
         decision = decide(signals, t, current, now, state.get("calm_since"),
                           state.get("idle_since"))
         desired = decision.replicas

@@ -6,10 +6,11 @@ engine left alone takes a whole core, and two take both, so a second replica sta
 else. A benchmark of capacity decisions (the autoscaler's) needs the first behaviour.
 
 `EngineShare` puts each engine core process (`VLLM::EngineCore`, a child of a pool's Serve
-replica) and its worker processes into their own CPU cgroup with a CFS quota of `share` of a core, as soon as it appears: the engine
-is real and runs the same code, its compute is capped at a fixed rate, and the rest of the
-machine stays with the front-ends. Needs root and a writable cgroup v1 `cpu` or cgroup v2
-hierarchy (true on this kind of machine); `EngineShare.available()` says whether it is.
+replica) and its worker processes into their own CPU cgroup with a CFS quota of `share` of a
+core once Serve reports the replica RUNNING: the engine is real and runs the same code, its
+serving compute is capped at a fixed rate, and the rest of the machine stays with the
+front-ends. Its start is not capped (on a GPU, a start is loading weights, not compute). Needs
+root and a writable cgroup v1 `cpu` or cgroup v2 hierarchy (true on this kind of machine).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 from pathlib import Path
 
 import psutil
+
+from orchestrator.deploy import ServeClient
 
 V1 = Path("/sys/fs/cgroup/cpu")
 V2 = Path("/sys/fs/cgroup")
@@ -36,20 +39,16 @@ def _root() -> tuple[Path, int] | None:
 class EngineShare:
     """Caps each pool replica's engine process at `share` of a core while running."""
 
-    def __init__(self, share: float, name: str = "tokenfab-engines") -> None:
+    def __init__(self, share: float, dashboard_url: str, name: str = "tokenfab-engines") -> None:
         found = _root()
         if found is None:
             raise RuntimeError("no writable CPU cgroup hierarchy: run as root on cgroup v1/v2")
         root, self._version = found
         self._share, self._base = share, root / name
+        self._client = ServeClient(dashboard_url)
         self._done: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="engine-share", daemon=True)
-
-    @staticmethod
-    def available() -> bool:
-        found = _root()
-        return found is not None and psutil.POSIX and _writable(found[0])
 
     def __enter__(self) -> EngineShare:
         self._base.mkdir(exist_ok=True)
@@ -61,20 +60,34 @@ class EngineShare:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-    @property
-    def capped(self) -> int:
-        """Engine processes capped so far."""
-        return len(self._done)
+        for group in self._base.glob("[0-9]*"):
+            try:
+                group.rmdir()  # empty once its engine exited
+            except OSError:
+                pass
 
     def _watch(self) -> None:
-        while not self._stop.wait(0.2):
-            for pid in _engine_pids() - self._done:
+        while not self._stop.wait(1.0):
+            try:
+                running = self._running_replica_pids()
+            except Exception as exc:  # noqa: BLE001 - the dashboard is busy: ask again
+                print(f"   engine share: no replica list ({exc})")
+                continue
+            for pid in _engine_pids(running) - self._done:
                 try:
                     self._cap(pid)
-                except OSError as exc:  # it exited meanwhile
+                except (OSError, psutil.Error) as exc:  # it exited meanwhile
                     print(f"   engine {pid} not capped: {exc}")
                 self._done.add(pid)
+
+    def _running_replica_pids(self) -> set[int]:
+        pids = set()
+        for app in (self._client.details().get("applications") or {}).values():
+            for name, deployment in (app.get("deployments") or {}).items():
+                if name.startswith("pool-"):
+                    pids |= {r["pid"] for r in deployment.get("replicas") or []
+                             if r["state"] == "RUNNING" and r.get("pid")}
+        return pids
 
     def _cap(self, pid: int) -> None:
         group = self._base / str(pid)
@@ -90,25 +103,12 @@ class EngineShare:
             (group / "cgroup.procs").write_text(str(process.pid))
 
 
-def _writable(root: Path) -> bool:
-    probe = root / "tokenfab-probe"
-    try:
-        probe.mkdir(exist_ok=True)
-        probe.rmdir()
-        return True
-    except OSError:
-        return False
-
-
-def _engine_pids() -> set[int]:
-    """Engine core processes: the `VLLM::EngineCore` children of tokenfab pools' replicas."""
+def _engine_pids(replicas: set[int]) -> set[int]:
+    """Engine core processes: the `VLLM::EngineCore` children of these replica processes."""
     pids = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if not (cmdline.startswith("ray::ServeReplica:") and ":pool-" in cmdline):
-            continue
+    for replica in replicas:
         try:
-            for child in proc.children():
+            for child in psutil.Process(replica).children():
                 if " ".join(child.cmdline()).startswith("VLLM::EngineCore"):
                     pids.add(child.pid)
         except psutil.Error:
