@@ -21,15 +21,22 @@ Up, when any of these asks for more than the running replicas (the largest ask w
   Example: 1 replica that prefills 20,000 tokens/s, 90,000 prompt tokens queued, TTFT target
   2 s: draining takes 4.5 s > 2 s, so ceil(90,000 / 40,000) = 3 replicas.
 - latency: a p90 above its target (TTFT for prefill and unified pools, inter-token latency for
-  decode and unified pools) asks for `ceil(replicas x p90 / target)`.
-  Example: 2 decode replicas, ITL p90 0.3 s against 0.2 s -> ceil(2 x 1.5) = 3.
+  decode and unified pools) asks for `ceil(replicas x p90 / target)`, when the pool has more
+  than one request per replica: below that the latency is the engine's floor (one request
+  alone), which more replicas would not lower.
+  Example: 2 decode replicas with 4 requests, ITL p90 0.3 s against 0.2 s -> ceil(2 x 1.5) = 3;
+  the same ITL with 1 request in the pool asks for nothing.
 - KV: the fullest replica above `max_kv_usage` asks for one more.
 
-Down, by one replica, when every signal (the backlog's drain time included) has stayed under
-`scale_down_margin` of its target and the load would fit one replica fewer for
-`downscale_delay_s`; the calm clock then restarts, so each further step waits as long again.
-Example: margin 0.5, target_ongoing 8, 3 replicas with 6 ongoing, no waiting, latencies and KV
-low: 6 <= 0.5 x 8 x 2, so after 30 calm seconds 3 -> 2; 2 -> 1 needs 6 <= 4: it stays at 2.
+Down, by one replica, when for `downscale_delay_s` the load would fit one replica fewer with
+`scale_down_margin` to spare (ongoing, KV usage and the backlog's drain time each under the
+margin's share of their target, nothing waiting) and the latency p90s stayed under
+`LATENCY_CALM` of their targets; the calm clock then restarts, so each further step waits as
+long again. Latency has its own, softer bar: an engine's floor latency may sit above half the
+target, and a pool must still come down when its load is gone.
+Example: margin 0.5, target_ongoing 8, 3 replicas with 6 ongoing, no waiting, KV low, ITL p90
+0.12 s against 0.2 s: 6 <= 0.5 x 8 x 2 and 0.12 <= 0.8 x 0.2, so after 30 calm seconds 3 -> 2;
+2 -> 1 needs 6 <= 4: it stays at 2.
 
 To zero, only with `min_replicas: 0`: after `idle_to_zero_s` with nothing ongoing. Back from zero
 as soon as a request waits (Serve holds requests while the replica starts).
@@ -42,6 +49,8 @@ import math
 import msgspec
 
 from autoscaler.signals import PoolSignals
+
+LATENCY_CALM = 0.8  # a pool may step down while its latency p90s are under 80% of their targets
 
 
 class Targets(msgspec.Struct, frozen=True):
@@ -94,10 +103,11 @@ def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
         asks.append((math.ceil(s.queued_prompt_tokens / (capacity * t.ttft_p90_s)),
                      f"backlog: {s.queued_prompt_tokens:.0f} prompt tokens queued, {drain_s:.1f}s "
                      f"to drain at {capacity:.0f} tokens/s per replica > {t.ttft_p90_s:g}s"))
-    if _uses_ttft(t.role) and s.ttft_p90_s > t.ttft_p90_s:
+    loaded = s.ongoing > current  # more than one request per replica: latency follows load
+    if loaded and _uses_ttft(t.role) and s.ttft_p90_s > t.ttft_p90_s:
         asks.append((math.ceil(current * s.ttft_p90_s / t.ttft_p90_s),
                      f"TTFT p90 {s.ttft_p90_s:.2f}s > {t.ttft_p90_s:g}s"))
-    if _uses_itl(t.role) and s.itl_p90_s > t.itl_p90_s:
+    if loaded and _uses_itl(t.role) and s.itl_p90_s > t.itl_p90_s:
         asks.append((math.ceil(current * s.itl_p90_s / t.itl_p90_s),
                      f"ITL p90 {s.itl_p90_s:.3f}s > {t.itl_p90_s:g}s"))
     if s.kv_cache_usage > t.max_kv_usage:
@@ -110,9 +120,9 @@ def _calm(s: PoolSignals, t: Targets, current: int) -> bool:
     return (s.waiting == 0
             and s.ongoing <= m * t.target_ongoing * (current - 1)
             and s.kv_cache_usage <= m * t.max_kv_usage
-            and (not _uses_ttft(t.role) or max(s.ttft_p90_s, _drain_s(s, current))
-                 <= m * t.ttft_p90_s)
-            and (not _uses_itl(t.role) or s.itl_p90_s <= m * t.itl_p90_s))
+            and (not _uses_ttft(t.role) or (_drain_s(s, current) <= m * t.ttft_p90_s
+                                             and s.ttft_p90_s <= LATENCY_CALM * t.ttft_p90_s))
+            and (not _uses_itl(t.role) or s.itl_p90_s <= LATENCY_CALM * t.itl_p90_s))
 
 
 def decide(s: PoolSignals, t: Targets, current: int, now: float,

@@ -349,8 +349,9 @@ class AutoscalerSpec(_Strict):
     max_waiting_per_replica: float = Field(
         4.0, ge=0, description="Waiting requests per replica that count as a burst.")
     scale_down_margin: float = Field(
-        0.5, gt=0, lt=1, description="Scale down only when every signal is under this share of "
-        "its target and the load fits one replica fewer.")
+        0.5, gt=0, lt=1, description="Scale down only when the load (ongoing requests, KV usage, "
+        "prefill backlog) is under this share of what one replica fewer serves, and latencies "
+        "under 80% of their targets.")
     downscale_delay_s: float = Field(30.0, ge=0, description="Calm time before each step down.")
     idle_to_zero_s: float = Field(
         300.0, gt=0, description="Idle time before a pool with min_replicas 0 goes to zero.")

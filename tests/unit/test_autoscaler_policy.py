@@ -27,6 +27,9 @@ def sig(replicas: int, **kw: float) -> PoolSignals:
     (sig(2, running=15, waiting=4), UNIFIED, 2, 3, "load"),  # 19 ongoing / 8
     (sig(1, running=2, waiting=9), UNIFIED, 1, 3, "burst"),  # 1 + ceil(9 / 8)
     (sig(2, running=4, itl_p90_s=0.3), DECODE, 2, 3, "ITL"),  # ceil(2 x 0.3 / 0.2)
+    # the same ITL with one request in the pool is the engine's floor: no ask
+    (sig(2, running=1, itl_p90_s=0.3), DECODE, 2, 2, "within targets"),
+    (sig(1, running=1, ttft_p90_s=5.0), PREFILL, 1, 1, "within targets"),
     (sig(2, running=4, kv_cache_usage=0.9), DECODE, 2, 3, "KV"),
     (sig(1, running=2, ttft_p90_s=5.0), PREFILL, 1, 3, "TTFT"),  # ceil(1 x 5 / 2)
     # 90,000 queued prompt tokens at 20,000/s take 4.5 s > 2 s: ceil(90,000 / 40,000)
@@ -144,6 +147,18 @@ def test_pool_signals_fold_replicas_and_windows() -> None:
         window.add(float(i + 1), now=float(i))
     assert window.p90(now=9.0) == 10.0 and window.rate(now=9.0) == 5.5
     assert window.p90(now=30.0) == 0.0
+
+
+def test_a_latency_floor_above_half_the_target_does_not_hold_the_pool_up() -> None:
+    """Capped engines: ITL is 0.12 s even for one request (target 0.2 s). With the load gone,
+    the pool comes down; at 0.17 s (above 80% of the target) it stays."""
+    quiet = sig(2, running=1.5, itl_p90_s=0.12)
+    d = decide(quiet, UNIFIED, 2, now=0.0)
+    d = decide(quiet, UNIFIED, 2, now=30.0, calm_since=d.calm_since)
+    assert d.replicas == 1
+    slow = sig(2, running=1.5, itl_p90_s=0.17)
+    d = decide(slow, UNIFIED, 2, now=0.0)
+    assert d.calm_since is None and decide(slow, UNIFIED, 2, 30.0).replicas == 2
 
 
 def test_backlog_drained_keeps_the_pool_from_stepping_down() -> None:
