@@ -13,19 +13,20 @@ Up, when any of these asks for more than the running replicas (the largest ask w
   faster than they drain; the queue asks for `ceil(waiting / target_ongoing)` more replicas at
   once, before the latency of the queued requests shows it.
   Example: 1 replica, 2 running, 9 waiting, limit 4 per replica -> 1 + ceil(9 / 8) = 3.
-- backlog (prefill and unified pools): the prompt tokens queued for prefill, at the measured
-  prefill capacity of a replica, take longer to drain than the TTFT target; the pool asks for
-  the replicas that would clear them within it, `ceil(queued / (capacity x ttft_target))`.
+- backlog (prefill and unified pools, two or more requests per replica): the prompt tokens
+  queued for prefill, at the measured prefill capacity of a replica, take longer to drain than
+  the TTFT target; the pool asks for the replicas that would clear them within it,
+  `ceil(queued / (capacity x ttft_target))`.
   This is capacity sizing in tokens: it sees a burst of long prompts when it arrives, before any
   of them has a first token to measure, and it sees ten long prompts as more than ten short ones.
   Example: 1 replica that prefills 20,000 tokens/s, 90,000 prompt tokens queued, TTFT target
   2 s: draining takes 4.5 s > 2 s, so ceil(90,000 / 40,000) = 3 replicas.
 - latency: a p90 above its target (TTFT for prefill and unified pools, inter-token latency for
-  decode and unified pools) asks for `ceil(replicas x p90 / target)`, when the pool has more
-  than one request per replica: below that the latency is the engine's floor (one request
-  alone), which more replicas would not lower.
+  decode and unified pools) asks for `ceil(replicas x p90 / target)`, when the pool has two or
+  more requests per replica: below that the latency is about the engine's floor (a request
+  alone, or nearly), which more replicas would not lower.
   Example: 2 decode replicas with 4 requests, ITL p90 0.3 s against 0.2 s -> ceil(2 x 1.5) = 3;
-  the same ITL with 1 request in the pool asks for nothing.
+  the same ITL with 3 requests in the pool asks for nothing.
 - KV: the fullest replica above `max_kv_usage` asks for one more.
 
 Down, by one replica, when for `downscale_delay_s` the load would fit one replica fewer with
@@ -97,13 +98,13 @@ def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
     if s.waiting > t.max_waiting_per_replica * current:
         asks.append((current + math.ceil(s.waiting / t.target_ongoing),
                      f"burst: {s.waiting:.1f} waiting > {t.max_waiting_per_replica:g} per replica"))
+    loaded = s.ongoing >= 2 * current  # two or more requests per replica: latency follows load
     drain_s = _drain_s(s, current)
-    if _uses_ttft(t.role) and drain_s > t.ttft_p90_s:
+    if loaded and _uses_ttft(t.role) and drain_s > t.ttft_p90_s:
         capacity = s.prefill_capacity_tokens_per_s
         asks.append((math.ceil(s.queued_prompt_tokens / (capacity * t.ttft_p90_s)),
                      f"backlog: {s.queued_prompt_tokens:.0f} prompt tokens queued, {drain_s:.1f}s "
                      f"to drain at {capacity:.0f} tokens/s per replica > {t.ttft_p90_s:g}s"))
-    loaded = s.ongoing > current  # more than one request per replica: latency follows load
     if loaded and _uses_ttft(t.role) and s.ttft_p90_s > t.ttft_p90_s:
         asks.append((math.ceil(current * s.ttft_p90_s / t.ttft_p90_s),
                      f"TTFT p90 {s.ttft_p90_s:.2f}s > {t.ttft_p90_s:g}s"))

@@ -74,6 +74,7 @@ class _LoadRecorder:
         self._prompt, self._generated = Window(window_s), Window(window_s)
         self._prefill_rate = Window(window_s)  # prompt tokens / step time, of steps that prefilled
         self._last_step: float | None = None
+        self._busy = False  # whether the engine still had requests after the last step
 
     def signals(self, queued_prompt_tokens: int = 0) -> ReplicaSignals:
         """The autoscaler's view of this engine: load now, latencies and rates of the window."""
@@ -129,12 +130,13 @@ class _LoadRecorder:
         for seconds in iteration.inter_token_latencies_iter:
             self._itl.add(seconds)
         self._prompt.add(prompt.computed)
-        # Steps follow each other while the engine is busy, so the time since the previous
-        # step's output is this step's duration; after an idle gap it is longer, which only
-        # lowers that sample (the p90 of the window reads the busy steps).
+        # While the engine has requests, steps follow each other, so the time since the previous
+        # step's output is this step's duration. After a step that left it empty, the engine
+        # idled until the next request: no sample.
         step_end, previous = iteration.iteration_timestamp, self._last_step
+        busy_before, self._busy = self._busy, self.snapshot.running + self.snapshot.waiting > 0
         self._last_step = step_end
-        if prompt.computed and previous is not None and step_end > previous:
+        if prompt.computed and busy_before and previous is not None and step_end > previous:
             self._prefill_rate.add(prompt.computed / (step_end - previous))
         self._generated.add(iteration.num_generation_tokens)
         self.snapshot = msgspec.structs.replace(

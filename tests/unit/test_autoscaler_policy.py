@@ -28,7 +28,7 @@ def sig(replicas: int, **kw: float) -> PoolSignals:
     (sig(1, running=2, waiting=9), UNIFIED, 1, 3, "burst"),  # 1 + ceil(9 / 8)
     (sig(2, running=4, itl_p90_s=0.3), DECODE, 2, 3, "ITL"),  # ceil(2 x 0.3 / 0.2)
     # the same ITL with one request in the pool is the engine's floor: no ask
-    (sig(2, running=1, itl_p90_s=0.3), DECODE, 2, 2, "within targets"),
+    (sig(2, running=3, itl_p90_s=0.3), DECODE, 2, 2, "within targets"),
     (sig(1, running=1, ttft_p90_s=5.0), PREFILL, 1, 1, "within targets"),
     (sig(2, running=4, kv_cache_usage=0.9), DECODE, 2, 3, "KV"),
     (sig(1, running=2, ttft_p90_s=5.0), PREFILL, 1, 3, "TTFT"),  # ceil(1 x 5 / 2)
@@ -174,24 +174,27 @@ def test_backlog_drained_keeps_the_pool_from_stepping_down() -> None:
 
 def test_prefill_capacity_is_measured_on_busy_steps() -> None:
     """The engine's recorder: prompt tokens over the time since the previous step, for steps
-    that prefilled; the p90 reads the busy steps, not one that followed an idle gap."""
+    that prefilled while the engine was busy; a step after the engine sat empty is no sample."""
     from types import SimpleNamespace
 
+    from pools.engine import LoadSnapshot
     from pools.vllm_engine import _LoadRecorder
 
-    def step(at: float, computed: int) -> SimpleNamespace:
-        return SimpleNamespace(iteration_timestamp=at, num_generation_tokens=1,
-                               prompt_token_stats=SimpleNamespace(computed=computed,
-                                                                  local_cache_hit=0,
-                                                                  external_kv_transfer=0),
-                               time_to_first_tokens_iter=[], inter_token_latencies_iter=[])
+    def step(at: float, computed: int, running_after: int) -> None:
+        recorder.snapshot = LoadSnapshot(running=running_after)  # the step's scheduler stats
+        recorder.count_tokens(SimpleNamespace(
+            iteration_timestamp=at, num_generation_tokens=1,
+            prompt_token_stats=SimpleNamespace(computed=computed, local_cache_hit=0,
+                                               external_kv_transfer=0),
+            time_to_first_tokens_iter=[], inter_token_latencies_iter=[]))
 
     recorder = _LoadRecorder()
-    recorder.count_tokens(step(100.0, 0))
-    recorder.count_tokens(step(105.0, 2048))  # after 5 s idle: 410 tokens/s, not the capacity
+    step(100.0, 0, running_after=0)  # the engine is empty after this step
+    step(105.0, 2048, running_after=3)  # 5 s later: idle time, not a measure of capacity
+    assert recorder.signals().prefill_capacity_tokens_per_s == 0.0
     for i in range(1, 10):  # back to back: 2048 tokens every 0.1 s
-        recorder.count_tokens(step(105.0 + 0.1 * i, 2048))
-    recorder.count_tokens(step(106.0, 0))  # decode only: no sample
+        step(105.0 + 0.1 * i, 2048, running_after=3)
+    step(106.0, 0, running_after=3)  # decode only: no sample
     signals = recorder.signals(queued_prompt_tokens=6144)
     assert signals.prefill_capacity_tokens_per_s == pytest.approx(20_480)
     assert signals.queued_prompt_tokens == 6144
