@@ -17,7 +17,7 @@ a replica adds a fixed quantum of compute as an accelerator does and the front-e
 of the machine; `--engine-share 0` leaves engines uncapped (on 2 cores a second engine then
 starves the front-ends, see the note in results/autoscaler.md).
 
-    .venv/bin/python benchmarks/autoscaling.py [--quiet-rps 0.25 --burst-rps 12 --phases 60,120,120]
+    .venv/bin/python benchmarks/autoscaling.py [--quiet-rps 0.25 --burst-rps 7 --phases 60,240,120]
 
 Writes benchmarks/results/autoscaler.json, autoscaler.md and autoscaler.png.
 """
@@ -54,7 +54,7 @@ def topology(setup: str) -> Topology:
                             "resources": {"cpus": 1, "kv_cache_bytes": "128MiB"}}
     autoscaler: dict[str, Any] = {"enabled": setup in ("autoscaler", "ray_default"),
                                   "ttft_p90_s": 1.0, "itl_p90_s": 0.2,
-                                  # one replica serves ~40 streams within the targets here
+                                  # one replica serves ~30 streams within the targets here
                                   "target_ongoing_requests": 32, "max_waiting_per_replica": 4,
                                   "downscale_delay_s": 20}
     if setup == "ray_default":
@@ -208,13 +208,13 @@ def markdown(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phases", default="60,120,120", help="quiet,burst,quiet seconds")
+    parser.add_argument("--phases", default="60,240,120", help="quiet,burst,quiet seconds")
     parser.add_argument("--quiet-rps", type=float, default=0.25)
-    parser.add_argument("--burst-rps", type=float, default=12.0)
+    parser.add_argument("--burst-rps", type=float, default=7.0)
     parser.add_argument("--ttft-slo", type=float, default=1.0)
     parser.add_argument("--itl-slo", type=float, default=0.2)
     parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--engine-share", type=float, default=0.25,
+    parser.add_argument("--engine-share", type=float, default=0.15,
                         help="share of a core each engine may use (0: uncapped)")
     parser.add_argument("--name", default="autoscaler", help="results/<name>.{json,md,png}")
     args = parser.parse_args()

@@ -1,7 +1,5 @@
 """The autoscaler with real engines: a pool of 1..2 replicas scales up under sustained load and
-back down after it, and no request fails during either transition (topology-autoscale.yaml); a
-pool of 0..1 goes to zero when idle and comes back for a request, which waits and succeeds
-(topology-zero.yaml)."""
+back down after it, and no request fails during either transition (topology-autoscale.yaml)."""
 
 from __future__ import annotations
 
@@ -18,10 +16,8 @@ from tests.integration.scaling import Load, running, wait_for
 from tests.promql import scrape
 
 TOPOLOGY = ROOT / "tests/integration/topology-autoscale.yaml"
-ZERO = ROOT / "tests/integration/topology-zero.yaml"
 SCALE_UP_BOUND_S = 120  # decision within ~1 s, then an engine start (40-60 s on 2 busy cores)
 SCALE_DOWN_BOUND_S = 60  # 5 s calm, then the drain of one replica
-COLD_START_BOUND_S = 150  # a request at zero replicas: a decision within ~1 s, an engine start
 
 
 @pytest.fixture(scope="module")
@@ -81,25 +77,3 @@ def test_manual_scale_of_an_autoscaled_pool_is_refused(scaled: Topology) -> None
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "autoscaled between 1 and 2" in result.stderr
 
-
-@pytest.fixture(scope="module")
-def zero(ray_cluster) -> Topology:
-    with up(ZERO) as topology:
-        yield topology
-
-
-def test_idle_pool_goes_to_zero_and_a_request_brings_it_back(zero: Topology) -> None:
-    root = gateway_url(zero)
-    to_zero_s = wait_for(zero, "main", 0, SCALE_DOWN_BOUND_S)
-    ready = httpx.get(f"{root}/ready", trust_env=False)
-    assert ready.status_code == 503 and "main" in ready.json()["error"]["message"]
-    started = time.monotonic()
-    response = httpx.post(f"{root}/v1/completions", trust_env=False, timeout=COLD_START_BOUND_S,
-                          json={"model": "tiny", "prompt": "wake up", "max_tokens": 4})
-    cold_s = time.monotonic() - started
-    assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 4
-    assert running(zero, "main") == 1
-    (record,) = httpx.get(f"{root}/tokenfab/autoscaler", trust_env=False).json()
-    assert record["last_change"].startswith("0 -> 1: requests waiting at zero replicas"), record
-    print(f"to zero after {to_zero_s:.0f} s idle; a request at zero answered in {cold_s:.0f} s")
