@@ -31,7 +31,7 @@ Up, when any of these asks for more than the running replicas (the largest ask w
 
 Down, by one replica, when for `downscale_delay_s` the load would fit one replica fewer with
 `scale_down_margin` to spare (ongoing, KV usage and the backlog's drain time each under the
-margin's share of their target, nothing waiting) and the latency p90s stayed under
+margin's share of their target, no request waiting) and the latency p90s stayed under
 `LATENCY_CALM` of their targets; the calm clock then restarts, so each further step waits as
 long again. Latency has its own, softer bar: an engine's floor latency may sit above half the
 target, and a pool must still come down when its load is gone.
@@ -118,7 +118,7 @@ def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
 
 def _calm(s: PoolSignals, t: Targets, current: int) -> bool:
     m = t.scale_down_margin
-    return (s.waiting == 0
+    return (s.waiting < 1  # averaged over the look-back window: less than one request waiting
             and s.ongoing <= m * t.target_ongoing * (current - 1)
             and s.kv_cache_usage <= m * t.max_kv_usage
             and (not _uses_ttft(t.role) or (_drain_s(s, current) <= m * t.ttft_p90_s

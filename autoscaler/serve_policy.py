@@ -68,8 +68,9 @@ class PoolPolicy:
         now = ctx.current_time if ctx.current_time is not None else time.time()
         current = ctx.current_num_replicas
         signals = pool_signals(ctx.aggregated_metrics or {}, current)
-        held = float(ctx.total_num_requests or 0) - signals.ongoing
-        if held > 0:  # Serve's handles hold requests beyond max_ongoing_requests: a queue too
+        # requests Serve's handles hold: replicas at max_ongoing_requests, or no replica at all
+        held = float((ctx.total_queued_requests if current else ctx.total_num_requests) or 0)
+        if held > 0:
             signals = msgspec.structs.replace(signals, waiting=signals.waiting + held)
         decision = decide(signals, t, current, now, state.get("calm_since"),
                           state.get("idle_since"))

@@ -208,11 +208,11 @@ def test_serve_policy_reads_serve_context_and_keeps_state() -> None:
     policy = PoolPolicy(app="a", pool="main", role="unified", min_replicas=1, max_replicas=3,
                         target_ongoing=2, downscale_delay_s=10)
 
-    def ctx(current: int, target: int, now: float, state: dict, total: float = 0,
-            **metrics: dict) -> SimpleNamespace:
+    def ctx(current: int, target: int, now: float, state: dict, **metrics: dict
+            ) -> SimpleNamespace:
         return SimpleNamespace(policy_state=state, current_time=now, current_num_replicas=current,
                                target_num_replicas=target, aggregated_metrics=metrics,
-                               total_num_requests=total)
+                               total_num_requests=0, total_queued_requests=0)
 
     desired, state = policy(ctx(1, 1, 0.0, {}, running={"r1": 2.0}, waiting={"r1": 3.0}))
     assert desired == 3 and state["reason"].startswith("load: 5.0 ongoing")
@@ -229,7 +229,7 @@ def test_serve_policy_reads_serve_context_and_keeps_state() -> None:
 
 def test_serve_policy_counts_requests_held_at_handles_as_waiting() -> None:
     """A replica at its max_ongoing_requests runs 2 and Serve's handles hold 10 more: the
-    engine sees no queue, Serve's total does; the burst rule reads it."""
+    engine sees no queue, Serve's handles do; the burst rule reads it."""
     from types import SimpleNamespace
 
     from autoscaler.serve_policy import PoolPolicy
@@ -237,7 +237,8 @@ def test_serve_policy_counts_requests_held_at_handles_as_waiting() -> None:
     policy = PoolPolicy(app="a", pool="main", role="unified", min_replicas=1, max_replicas=8,
                         target_ongoing=4, max_waiting_per_replica=2)
     ctx = SimpleNamespace(policy_state={}, current_time=0.0, current_num_replicas=1,
-                          target_num_replicas=1, total_num_requests=12.0,
+                          target_num_replicas=1, total_num_requests=12.4,
+                          total_queued_requests=10.0,
                           aggregated_metrics={"running": {"r1": 2.0}, "waiting": {"r1": 0.0}})
     desired, state = policy(ctx)
     assert desired == 4 and state["reason"].startswith("burst: 10.0 waiting")  # 1 + ceil(10/4)
