@@ -99,15 +99,16 @@ def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
         asks.append((current + math.ceil(s.waiting / t.target_ongoing),
                      f"burst: {s.waiting:.1f} waiting > {t.max_waiting_per_replica:g} per replica"))
     loaded = s.ongoing >= 2 * current  # two or more requests per replica: latency follows load
-    drain_s = _drain_s(s, current)
-    if loaded and _uses_ttft(t.role) and drain_s > t.ttft_p90_s:
-        capacity = s.prefill_capacity_tokens_per_s
-        asks.append((math.ceil(s.queued_prompt_tokens / (capacity * t.ttft_p90_s)),
-                     f"backlog: {s.queued_prompt_tokens:.0f} prompt tokens queued, {drain_s:.1f}s "
-                     f"to drain at {capacity:.0f} tokens/s per replica > {t.ttft_p90_s:g}s"))
-    if loaded and _uses_ttft(t.role) and s.ttft_p90_s > t.ttft_p90_s:
-        asks.append((math.ceil(current * s.ttft_p90_s / t.ttft_p90_s),
-                     f"TTFT p90 {s.ttft_p90_s:.2f}s > {t.ttft_p90_s:g}s"))
+    if loaded and _uses_ttft(t.role):
+        drain_s, capacity = _drain_s(s, current), s.prefill_capacity_tokens_per_s
+        if drain_s > t.ttft_p90_s:
+            asks.append((math.ceil(s.queued_prompt_tokens / (capacity * t.ttft_p90_s)),
+                         f"backlog: {s.queued_prompt_tokens:.0f} prompt tokens queued, "
+                         f"{drain_s:.1f}s to drain at {capacity:.0f} tokens/s per replica > "
+                         f"{t.ttft_p90_s:g}s"))
+        if s.ttft_p90_s > t.ttft_p90_s:
+            asks.append((math.ceil(current * s.ttft_p90_s / t.ttft_p90_s),
+                         f"TTFT p90 {s.ttft_p90_s:.2f}s > {t.ttft_p90_s:g}s"))
     if loaded and _uses_itl(t.role) and s.itl_p90_s > t.itl_p90_s:
         asks.append((math.ceil(current * s.itl_p90_s / t.itl_p90_s),
                      f"ITL p90 {s.itl_p90_s:.3f}s > {t.itl_p90_s:g}s"))

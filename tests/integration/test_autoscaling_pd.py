@@ -52,41 +52,37 @@ def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
     return after.get(key, 0) - before.get(key, 0)
 
 
+def _up_then_down(pd: Topology, pool: str, other: str, others_change: str,
+                  clients: int, max_tokens: int, prompt) -> int:
+    """Load that grows `pool` to 2 replicas, then a trickle that brings it back to 1, while
+    `other` stays at 1 replica throughout; returns the requests sent (every one answered 200)."""
+    root = gateway_url(pd)
+    with Load(root, clients=clients, max_tokens=max_tokens, prompt=prompt) as heavy:
+        up_s = wait_for(pd, pool, 2, SCALE_UP_BOUND_S, watch={other: 1})
+        time.sleep(3)  # traffic reaches the new replica
+    decisions = _decisions(root)
+    reason = decisions[pool]["last_change"]
+    assert reason.startswith("1 -> 2: ")
+    assert decisions[other]["last_change"].startswith(others_change)
+    with Load(root, clients=1, max_tokens=min(max_tokens, 8), prompt=prompt) as trickle:
+        down_s = wait_for(pd, pool, 1, SCALE_DOWN_BOUND_S, watch={other: 1})
+    assert heavy.statuses and set(heavy.statuses) == {200}, heavy.statuses
+    assert trickle.statuses and set(trickle.statuses) == {200}, trickle.statuses
+    sent = len(heavy.statuses) + len(trickle.statuses)
+    print(f"{pool}: up {up_s:.0f} s ({reason}), down {down_s:.0f} s; {sent} requests; "
+          f"P/D counters {_paths(root)}")
+    return sent
+
+
 def test_prefill_and_decode_pools_scale_independently(pd: Topology) -> None:
     root = gateway_url(pd)
     assert (running(pd, "prefill"), running(pd, "decode")) == (1, 1)
     before = _paths(root)
-
-    with Load(root, clients=6, max_tokens=2, prompt=_long_prompt) as prompts:
-        prefill_up_s = wait_for(pd, "prefill", 2, SCALE_UP_BOUND_S, watch={"decode": 1})
-        time.sleep(3)  # traffic reaches the new prefill replica
-    decisions = _decisions(root)
-    reason = decisions["prefill"]["last_change"]
-    assert reason.startswith("1 -> 2: ")
-    assert decisions["decode"]["last_change"].startswith("0 -> 1: below min_replicas")
-    with Load(root, clients=1, max_tokens=2, prompt=_long_prompt) as trickle:
-        prefill_down_s = wait_for(pd, "prefill", 1, SCALE_DOWN_BOUND_S, watch={"decode": 1})
-    assert prompts.statuses and set(prompts.statuses) == {200}, prompts.statuses
-    assert trickle.statuses and set(trickle.statuses) == {200}, trickle.statuses
+    sent = _up_then_down(pd, "prefill", "decode", "0 -> 1: below min_replicas",
+                         clients=6, max_tokens=2, prompt=_long_prompt)
     after = _paths(root)
-    sent = len(prompts.statuses) + len(trickle.statuses)
-    print(f"prefill: up {prefill_up_s:.0f} s ({reason}), down {prefill_down_s:.0f} s; "
-          f"{sent} requests; P/D counters {after}")
     # every long prompt went through the prefill pool (a fallback is decode recomputing it)
     assert _delta(after, before, "requests_disaggregated") == sent
-
-    with Load(root, clients=16, max_tokens=64, prompt=_short_prompt) as generations:
-        decode_up_s = wait_for(pd, "decode", 2, SCALE_UP_BOUND_S, watch={"prefill": 1})
-        time.sleep(3)
-    decisions = _decisions(root)
-    reason = decisions["decode"]["last_change"]
-    assert reason.startswith("1 -> 2: ")
-    assert decisions["prefill"]["last_change"].startswith("2 -> 1: calm")
-    with Load(root, clients=1, max_tokens=8, prompt=_short_prompt) as trickle:
-        decode_down_s = wait_for(pd, "decode", 1, SCALE_DOWN_BOUND_S, watch={"prefill": 1})
-    assert generations.statuses and set(generations.statuses) == {200}, generations.statuses
-    assert trickle.statuses and set(trickle.statuses) == {200}, trickle.statuses
-    final, sent = _paths(root), len(generations.statuses) + len(trickle.statuses)
-    print(f"decode: up {decode_up_s:.0f} s ({reason}), down {decode_down_s:.0f} s; "
-          f"{sent} requests; P/D counters {final}")
-    assert _delta(final, after, "skipped_short_prompt") == sent  # decode alone served them
+    sent = _up_then_down(pd, "decode", "prefill", "2 -> 1: calm",
+                         clients=16, max_tokens=64, prompt=_short_prompt)
+    assert _delta(_paths(root), after, "skipped_short_prompt") == sent  # decode alone served them
