@@ -1,0 +1,520 @@
+"""Head to head: tokenfab against sglang-router and vllm-router in front of vLLM, in one run.
+
+Every system stands before two engines of the tiny model (one pinned core each, eager, block 32,
+the same KV cache bytes, prefix caching on) and replays the same sample of a Mooncake-format
+trace. Baselines: two standalone vLLM OpenAI servers behind sglang-router (round_robin,
+cache_aware) or vllm-router (cache_aware). tokenfab: a local Ray head and one `unified` pool of
+2 replicas, routed round_robin or kv_aware. Baselines run first (servers started once, routers
+one at a time), then tokenfab (one deployment per policy); the two never run together.
+
+The trace is sampled by conversation root (every request whose first block belongs to a seeded
+random share of roots, in trace order, about 115 requests by default); each 512-token block id
+becomes 32 single-token words (one engine block), prompts are capped at 60 blocks (1,920 tokens),
+every request asks for 32 tokens (`ignore_eos`, greedy, streamed with usage). Arrival times are
+the trace's, rescaled to each rate. Caches start cold in every (system, policy, load): each gets
+its own word namespace, and the baselines' engines also reset their prefix caches before a run.
+
+Per record: TTFT (send -> first chunk carrying a token), E2E (send -> end of stream), ITL (gaps
+between tokens: with `return_token_ids` a chunk of k tokens adds its gap from the previous token
+chunk once and 0 for the other k-1; if any front strips token ids, every system falls back to
+per-chunk gaps), output tok/s (completion tokens / (last end - first send)), hit rate (the
+engines' own cached_tokens / prompt_tokens), CPU over the replay window from /proc per process,
+all threads: `dataplane_cpu_ms_per_token` is the data path's CPU (router or Serve proxy, gateway,
+vLLM API servers or pool replicas; not the `VLLM::` engine processes) per output token, and
+`background_cpu_pct` is Ray's own daemons as % of one core (see process_cpu.py for the rule).
+
+The machine is shared, so before each replay the script waits (up to 5 min) until processes
+outside the stack under test use under 15% of a core, and it repeats (twice at most, in a fresh
+namespace) a replay during which they used more than `--max-other-pct` (10%) of a core; each
+record keeps those shares, its attempts and the CPU of every process it saw.
+
+    .venv/bin/python benchmarks/h2h.py [--rates 1.4,3.5] [--kv-cache 24MiB] [--trace FILE]
+        [--systems sglang-router,vllm-router,tokenfab] [--policies round_robin,...] [--limit N]
+        [--profile DIR]
+
+About 20 minutes on 2 cores. Writes benchmarks/results/h2h.json, and h2h.md and h2h.png beside it
+(`--out` names the JSON). `--profile DIR` runs py-spy on tokenfab's data-path processes during its
+highest-rate replays (which perturbs those records). Helpers: traces.py (sampling, prompts),
+process_cpu.py (CPU per process and its role), baseline_stack.py (vLLM servers and routers),
+h2h_report.py (ratios, Markdown, chart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+# Ray 2.60 turns token auth on for `ray start` once ~/.ray/auth_token exists (any local ray.init
+# writes one), and the dashboard client here sends no token. This cluster is loopback-only.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import process_cpu  # noqa: E402
+from baseline_stack import reset_prefix_caches, start_engine, start_router, stop  # noqa: E402
+from h2h_report import markdown, plot, ratios  # noqa: E402
+from harness import deployed, remove  # noqa: E402
+from orchestrator import cluster  # noqa: E402
+from orchestrator.config import Topology, parse_topology  # noqa: E402
+from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, arrival_offsets,  # noqa: E402
+                    sample_by_root, single_token_words, upper_bound_hit_rate)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
+MODEL = "~/.cache/tokenfab/models/tiny-llama"
+SETUPS = (("sglang-router", "round_robin"), ("sglang-router", "cache_aware"),
+          ("vllm-router", "cache_aware"), ("tokenfab", "round_robin"), ("tokenfab", "kv_aware"))
+ENGINE_PORTS, ROUTER_PORT, PROMETHEUS_PORT, GATEWAY_PORT = (8141, 8142), 8151, 8161, 8031
+CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6393",
+           "dashboard_url": "http://127.0.0.1:8281", "num_cpus": 2}
+MAX_TOKENS = 32
+RETRIES = 2  # replays repeated because processes outside the stack took the cores meanwhile
+STRAY = ("raylet", "gcs_server", "VLLM::", "vllm.entrypoints", "sglang", "vllm-router", "::router")
+
+
+@dataclass
+class Front:
+    """One system and policy, reachable at `url`; `reset` empties the engines' prefix caches
+    (None where the caches cannot be reset and namespaces alone keep runs apart)."""
+
+    system: str
+    policy: str
+    url: str
+    reset: Callable[[], None] | None = None
+    pids: set[int] = field(default_factory=set)  # processes listening on the front's port
+
+
+# --- Requests ---------------------------------------------------------------------------------
+
+def body(prompt: str) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+
+
+async def one_request(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
+    """Chunks as (seconds since send, tokens in it or None when the chunk has no token_ids)."""
+    sent, chunks, usage, status, error = time.monotonic(), [], {}, 0, ""
+    try:
+        async with client.stream("POST", "/v1/completions", json=request) as response:
+            status = response.status_code
+            if status != 200:
+                error = (await response.aread()).decode(errors="replace")[:300]
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                at = time.monotonic() - sent
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    ids = chunk["choices"][0].get("token_ids")
+                    chunks.append((at, None if ids is None else len(ids)))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except httpx.HTTPError as exc:
+        status, error = 599, repr(exc)
+    return {"sent": sent, "done": time.monotonic(), "status": status, "chunks": chunks,
+            "usage": usage, "error": error}
+
+
+async def replay(url: str, requests: list[dict[str, Any]], prompts: Prompts,
+                 rate: float) -> list[dict[str, Any]]:
+    bodies = [body(prompts.prompt(row)) for row in requests]  # built before the clock starts
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False,
+                                 limits=limits) as client:
+        began, tasks = time.monotonic(), []
+        for at, request in zip(arrival_offsets(requests, rate), bodies):
+            await asyncio.sleep(max(0.0, began + at - time.monotonic()))
+            tasks.append(asyncio.create_task(one_request(client, request)))
+        return list(await asyncio.gather(*tasks))
+
+
+def warm_up(url: str, requests: list[dict[str, Any]], prompts: Prompts) -> bool:
+    """A few requests through the front; True when every chunk carried token ids."""
+    results = asyncio.run(replay(url, requests[:4], prompts, rate=4.0))
+    bad = [r for r in results if r["status"] != 200 or not r["chunks"]]
+    if bad:
+        raise RuntimeError(f"{url}: warm-up failed: {bad[0]['status']} {bad[0]['error']}")
+    return all(n is not None for r in results for _, n in r["chunks"])
+
+
+def wait_ready(url: str, process: subprocess.Popen | None, timeout_s: float, path: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + path, timeout=5, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited ({process.returncode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}{path} not ready after {timeout_s:g} s")
+        time.sleep(1.0)
+
+
+# --- Measuring one run ------------------------------------------------------------------------
+
+def wait_quiet(front: Front, limit_pct: float = 15.0, max_wait_s: float = 300.0) -> float:
+    """Wait (up to `max_wait_s`) until processes outside the stack under test use under
+    `limit_pct` of a core, so a test run or build elsewhere does not take the engines' cores;
+    returns their last share."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        before = process_cpu.snapshot()
+        time.sleep(3.0)
+        after = process_cpu.snapshot()
+        procs = {proc.pid: proc for proc in after.values()}
+        categories = process_cpu.classify(procs, front.pids, os.getpid())
+        other = 100 / 3.0 * sum(used for pid, (_, used) in process_cpu.cpu_seconds(
+            before, after).items() if categories.get(pid) == "other")
+        if other < limit_pct or time.monotonic() > deadline:
+            return other
+        print(f"   waiting: other processes use {other:.0f}% of a core")
+        time.sleep(10.0)
+
+
+def measure(front: Front, requests: list[dict[str, Any]], prompts: Prompts, rate: float,
+            profile: Path | None) -> dict[str, Any]:
+    """Replay at `rate` through the front; the results and every process's CPU over the window."""
+    before = process_cpu.snapshot()
+    profiler = _profile(front, rate, before, profile) if profile else None
+    started = time.monotonic()
+    results = asyncio.run(replay(front.url, requests, prompts, rate))
+    window = time.monotonic() - started
+    after = process_cpu.snapshot()
+    if profiler:
+        profiler.join()
+    used = process_cpu.cpu_seconds(before, after)
+    procs = {proc.pid: proc for proc in after.values()}
+    categories = process_cpu.classify(procs, front.pids, os.getpid())
+    return {"results": results, "window_s": window, "cpu": used, "categories": categories}
+
+
+def _profile(front: Front, rate: float, snap: dict, out: Path) -> threading.Thread:
+    """py-spy on one data-path Python process of each title, 15 s from 5 s into the replay."""
+    procs = {p.pid: p for p in snap.values()}
+    categories = process_cpu.classify(procs, front.pids, os.getpid())
+    chosen: dict[str, int] = {}
+    for pid, category in sorted(categories.items()):
+        if category == "dataplane":
+            chosen.setdefault(procs[pid].title.split()[0], pid)
+    out.mkdir(parents=True, exist_ok=True)
+    spy = str(Path(sys.executable).with_name("py-spy"))
+
+    def run() -> None:
+        time.sleep(5)
+        jobs = []
+        for title, pid in chosen.items():
+            role = re.sub(r"[^A-Za-z0-9.-]+", "_", title)
+            name = f"{front.system}-{front.policy}-{rate:g}-{role}-{pid}.txt"
+            jobs.append(subprocess.Popen([spy, "record", "-p", str(pid), "-d", "15", "-r", "50",
+                                          "-f", "raw", "--nonblocking", "--threads",
+                                          "-o", str(out / name)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            print(f"   profiling {title} (pid {pid}) -> {out / name}")
+        for job in jobs:
+            job.wait()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+# --- Summaries --------------------------------------------------------------------------------
+
+def token_times(chunks: list[tuple[float, int | None]], mode: str) -> list[float]:
+    """When each token arrived: a chunk of k tokens is k arrivals at its time (mode token_ids),
+    or every chunk with a choice is one (mode chunks)."""
+    if mode == "token_ids":
+        return [at for at, n in chunks for _ in range(n or 0)]
+    return [at for at, _ in chunks]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(run: dict[str, Any], mode: str) -> dict[str, Any]:
+    results = run["results"]
+    times = [token_times(r["chunks"], mode) for r in results]
+    ok = [(r, t) for r, t in zip(results, times) if r["status"] == 200 and t]
+    usages = [r["usage"] for r, _ in ok]
+    prompt = sum(u.get("prompt_tokens", 0) for u in usages)
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
+    output = sum(u.get("completion_tokens", 0) for u in usages)
+    ttft = [t[0] for _, t in ok]
+    e2e = [r["done"] - r["sent"] for r, _ in ok]
+    gaps = [float(g) for _, t in ok for g in np.diff(t)]
+    wall = max(r["done"] for r in results) - min(r["sent"] for r in results)
+    chunks = [n for r, _ in ok for _, n in r["chunks"] if n]
+    cpu = cpu_summary(run, output)
+    return {
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
+        "e2e_p50_s": _pct(e2e, 50), "e2e_p90_s": _pct(e2e, 90),
+        "itl_p50_s": _pct(gaps, 50), "itl_p90_s": _pct(gaps, 90), "itl_p99_s": _pct(gaps, 99),
+        "output_tok_s": output / wall, "hit_rate": cached / prompt if prompt else 0.0,
+        "dataplane_cpu_ms_per_token": cpu.pop("dataplane_cpu_ms_per_token"),
+        "background_cpu_pct": cpu["cpu_pct_of_core"]["background"],
+        "requests": len(results), "failed": len(results) - len(ok),
+        "incomplete": sum(u.get("completion_tokens", 0) != MAX_TOKENS for u in usages),
+        "errors": sorted({r["error"][:200] for r in results if r["error"]})[:3],
+        "prompt_tokens": prompt, "cached_tokens": cached, "output_tokens": output,
+        "tokens_per_chunk": float(np.mean(chunks)) if chunks else None,
+        "window_s": run["window_s"], **cpu,
+    }
+
+
+def cpu_summary(run: dict[str, Any], output_tokens: int) -> dict[str, Any]:
+    window, categories = run["window_s"], run["categories"]
+    seconds = dict.fromkeys(process_cpu.CATEGORIES, 0.0)
+    breakdown = []
+    for pid, (proc, used) in run["cpu"].items():
+        category = categories.get(pid, "other")
+        seconds[category] += used
+        if category != "other" or used >= 0.05 * window:
+            breakdown.append({"pid": pid, "title": proc.title[:100], "category": category,
+                              "cpu_s": round(used, 3),
+                              "pct_of_core": round(100 * used / window, 1)})
+    breakdown.sort(key=lambda row: -row["cpu_s"])
+    return {"dataplane_cpu_ms_per_token": 1000 * seconds["dataplane"] / max(1, output_tokens),
+            "cpu_pct_of_core": {c: round(100 * s / window, 1) for c, s in seconds.items()},
+            "cpu_breakdown": breakdown}
+
+
+# --- tokenfab ---------------------------------------------------------------------------------
+
+def topology(policy: str, kv_cache: str) -> Topology:
+    return parse_topology({
+        "name": f"h2h-{policy.replace('_', '-')}",
+        "model": {"name": "tiny", "path": MODEL, "generate": "tiny", "dtype": "bfloat16",
+                  "max_model_len": 2048},
+        "engine_args": {"enforce_eager": True, "block_size": BLOCK_TOKENS},
+        "pools": [{"name": "main", "role": "unified", "replicas": 2, "max_ongoing_requests": 256,
+                   "resources": {"cpus": 1, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
+        "router": {"policy": policy},
+        "gateway": {"host": "127.0.0.1", "port": GATEWAY_PORT},
+        "cluster": CLUSTER,
+    }, f"h2h benchmark ({policy})")
+
+
+# --- The run ----------------------------------------------------------------------------------
+
+class Bench:
+    """Runs every front at every rate and keeps the raw runs. A replay's word namespace follows
+    from (setup, rate index, attempt), so a subset run replays the same prompts as a full one."""
+
+    def __init__(self, args: argparse.Namespace, requests: list[dict[str, Any]],
+                 words: list[str], rates: list[float]) -> None:
+        self.args, self.requests, self.words, self.rates = args, requests, words, rates
+        self.runs: list[dict[str, Any]] = []
+        self.token_ids: dict[str, bool] = {}
+        self.sockets: dict[str, dict[str, Any]] = {}
+        self.profile = Path(args.profile) if args.profile else None
+
+    def run_front(self, front: Front) -> None:
+        setup = SETUPS.index((front.system, front.policy))
+        name = f"{front.system} {front.policy}"
+        self.token_ids[name] = warm_up(front.url, self.requests,
+                                       Prompts(self.words, 10_000 + setup))
+        front.pids = process_cpu.port_owners(int(front.url.rsplit(":", 1)[1].split("/")[0]))
+        self.sockets[name] = check_loopback(front)
+        for index, rate in enumerate(self.rates):
+            profile = self.profile if (self.profile and front.system == "tokenfab"
+                                       and rate == max(self.rates)) else None
+            for attempt in range(1 + RETRIES):
+                run = self._replay(front, rate, 1 + setup * 100 + index * 10 + attempt, profile)
+                if run["other_cpu_pct"] <= self.args.max_other_pct or attempt == RETRIES:
+                    break
+                print(f"   processes outside the stack took {run['other_cpu_pct']:.0f}% of a "
+                      "core during the replay: repeating it")
+            run["attempts"] = attempt + 1
+            self.runs.append(run)
+            line = record(run, "token_ids" if self.token_ids[name] else "chunks")
+            print("  ", json.dumps({k: v for k, v in line.items() if k != "cpu_breakdown"}))
+
+    def _replay(self, front: Front, rate: float, namespace: int,
+                profile: Path | None) -> dict[str, Any]:
+        if front.reset:
+            front.reset()
+        quiet = wait_quiet(front)
+        print(f"{front.system} {front.policy} at {rate:g} req/s: replaying "
+              f"{len(self.requests)} requests")
+        run = measure(front, self.requests, Prompts(self.words, namespace), rate, profile)
+        other = sum(used for pid, (_, used) in run["cpu"].items()
+                    if run["categories"].get(pid, "other") == "other")
+        return run | {"system": front.system, "policy": front.policy, "rate": rate,
+                      "namespace": namespace, "other_cpu_pct_before": round(quiet, 1),
+                      "other_cpu_pct": 100 * other / run["window_s"]}
+
+    def baselines(self, setups: list[tuple[str, str]], kv_bytes: int, logs: Path) -> None:
+        engines = [start_engine(str(Path(MODEL).expanduser()), core, port, kv_bytes, logs)
+                   for core, port in enumerate(ENGINE_PORTS)]
+        urls = [f"http://127.0.0.1:{port}" for port in ENGINE_PORTS]
+        try:
+            print("baselines: starting 2 vLLM servers")
+            for url, engine in zip(urls, engines):
+                wait_ready(url, engine, 900, "/health")
+            for offset, (system, policy) in enumerate(setups):
+                port = ROUTER_PORT + SETUPS.index((system, policy))
+                router = start_router(system, policy, port, PROMETHEUS_PORT + offset, urls, logs)
+                try:
+                    url = f"http://127.0.0.1:{port}"
+                    wait_ready(url, router, 300, "/v1/models")
+                    reset = lambda: reset_prefix_caches(urls)  # noqa: E731
+                    self.run_front(Front(system, policy, url, reset))
+                    reset()  # the warm-up and the last run leave nothing behind
+                finally:
+                    stop(router)
+        finally:
+            for engine in engines:
+                stop(engine)
+
+    def tokenfab(self, policies: list[str]) -> None:
+        specs = [topology(policy, self.args.kv_cache) for policy in policies]
+        try:
+            cluster.start_head(specs[0].cluster)
+            for policy, spec in zip(policies, specs):
+                print(f"tokenfab {policy}: deploying")
+                self.run_front(Front("tokenfab", policy, deployed(spec)))
+                remove(spec)
+        finally:
+            cluster.stop_ray()
+
+
+def check_loopback(front: Front) -> dict[str, Any]:
+    """Sockets the stack's processes listen on (by process name and host), and any outside
+    127.0.0.0/8."""
+    procs = {p.pid: p for p in process_cpu.snapshot().values()}
+    categories = process_cpu.classify(procs, front.pids, os.getpid())
+    ours = {pid for pid, c in categories.items() if c in ("dataplane", "engine", "background")}
+    listening: dict[str, list[str]] = {}
+    for row in process_cpu.listeners():
+        for pid in ours & set(row["pids"]):
+            key = f"{process_cpu.short_name(procs[pid].title)} {row['proto']} {row['host']}"
+            listening.setdefault(key, []).append(str(row["port"]))
+    outside = [f"{key}:{','.join(sorted(set(listening[key])))}" for key in listening
+               if not process_cpu.is_loopback(key.rsplit(" ", 1)[1])]
+    dialed = sorted({f"{process_cpu.short_name(procs[pid].title)} -> {row['peer']}"
+                     for row in process_cpu.peers() for pid in ours & set(row["pids"])
+                     if not process_cpu.is_loopback(row["host"])})
+    for line in outside + dialed:
+        print(f"   WARNING: not loopback: {line}")
+    return {"listening": {key: ",".join(sorted(set(ports))) for key, ports in listening.items()},
+            "non_loopback": outside, "connected_outside": dialed}
+
+
+def record(run: dict[str, Any], mode: str) -> dict[str, Any]:
+    rate = run["rate"]
+    return {"system": run["system"], "policy": run["policy"], "load": f"{rate:g} req/s",
+            "rate_rps": rate, **summarize(run, mode), "namespace": run["namespace"],
+            "other_cpu_pct_before": run["other_cpu_pct_before"], "attempts": run["attempts"]}
+
+
+def stray_processes() -> list[str]:
+    """Serving processes (Ray, vLLM, routers) already on the machine: they would share the cores."""
+    found = subprocess.run(["pgrep", "-af", "|".join(STRAY)], text=True, capture_output=True)
+    mine = {os.getpid(), os.getppid()}
+    return [line for line in found.stdout.splitlines() if int(line.split()[0]) not in mine]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", default=str(TRACE), help="a Mooncake-format JSONL trace")
+    parser.add_argument("--root-share", type=float, default=0.03,
+                        help="share of conversation roots sampled (0.03: 116 requests)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the root sample")
+    parser.add_argument("--rates", default="1.4,3.5", help="req/s, comma-separated")
+    parser.add_argument("--kv-cache", default="24MiB", help="KV cache bytes per engine")
+    parser.add_argument("--systems", default="sglang-router,vllm-router,tokenfab",
+                        help="only these systems")
+    parser.add_argument("--policies", default="", help="only these policies (default: all)")
+    parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    parser.add_argument("--out", default=str(RESULTS / "h2h.json"),
+                        help="the JSON; the .md and .png go beside it")
+    parser.add_argument("--max-other-pct", type=float, default=10.0,
+                        help="repeat a replay (twice at most) during which processes outside the "
+                        "stack under test used more than this %% of a core")
+    parser.add_argument("--logs", default="/tmp/h2h-logs", help="baseline servers' logs")
+    parser.add_argument("--profile", default="", help="directory: py-spy the tokenfab data path "
+                        "during its highest-rate replays (perturbs those records)")
+    args = parser.parse_args()
+    began = time.monotonic()
+    rates = [float(r) for r in args.rates.split(",")]
+    systems, policies = args.systems.split(","), set(filter(None, args.policies.split(",")))
+    setups = [s for s in SETUPS if s[0] in systems and (not policies or s[1] in policies)]
+    if not setups:
+        parser.error("no (system, policy) left to run")
+    stray = stray_processes()
+    if stray:
+        print("WARNING: serving processes already running:\n  " + "\n  ".join(stray))
+    requests = sample_by_root(Path(args.trace), args.root_share, args.seed)
+    if args.limit:
+        requests = requests[:args.limit]
+    kv_bytes = topology("round_robin", args.kv_cache).pools[0].resources.kv_cache_bytes
+    bench = Bench(args, requests, single_token_words(str(Path(MODEL).expanduser())), rates)
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    baselines = [s for s in setups if s[0] != "tokenfab"]
+    if baselines:
+        bench.baselines(baselines, kv_bytes, logs)
+    ours = [policy for system, policy in setups if system == "tokenfab"]
+    if ours:
+        bench.tokenfab(ours)
+    write(bench, args, requests, kv_bytes, stray, time.monotonic() - began)
+
+
+def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]], kv_bytes: int,
+          stray: list[str], duration: float) -> None:
+    chunks_ok = all(n is not None for run in bench.runs for r in run["results"]
+                    for _, n in r["chunks"])
+    mode = "token_ids" if all(bench.token_ids.values()) and chunks_ok else "chunks"
+    prefix = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
+    records = [record(run, mode) for run in bench.runs]
+    result = {
+        "records": records,
+        "bound_hit_rate": upper_bound_hit_rate(requests),
+        "ratios": ratios(records),
+        "command": f"{prefix}python benchmarks/h2h.py {shlex.join(sys.argv[1:])}".strip(),
+        "itl_mode": mode,
+        "itl_definition": (
+            "gaps between tokens, from the token ids each chunk carries (a chunk of k tokens: its "
+            "gap from the previous token chunk, then k-1 zeros)" if mode == "token_ids" else
+            "gaps between chunks (some front stripped `return_token_ids`, so every system is "
+            "measured per chunk)"),
+        "token_ids_passthrough": bench.token_ids,
+        "sockets": bench.sockets,
+        "stray_processes_at_start": stray,
+        "duration_s": duration,
+        "settings": {"trace": args.trace, "root_share": args.root_share, "seed": args.seed,
+                     "requests": len(requests), "rates_rps": bench.rates, "limit": args.limit,
+                     "kv_cache": args.kv_cache, "kv_cache_bytes": kv_bytes,
+                     "block_tokens": BLOCK_TOKENS, "max_blocks": MAX_BLOCKS,
+                     "max_tokens": MAX_TOKENS, "engine_cores": [0, 1],
+                     "profiled": bool(args.profile)},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    print("\n".join(result["ratios"]))
+
+
+if __name__ == "__main__":
+    main()

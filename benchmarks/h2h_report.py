@@ -1,0 +1,133 @@
+"""The head-to-head benchmark's outputs: ratio lines, the Markdown report and the bar charts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import process_cpu
+
+
+def _get(records: list[dict[str, Any]], system: str, policy: str, rate: float) -> dict | None:
+    return next((r for r in records if (r["system"], r["policy"], r["rate_rps"])
+                 == (system, policy, rate)), None)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "n/a"
+
+
+def ratios(records: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for rate in sorted({r["rate_rps"] for r in records}):
+        ours, theirs = _get(records, "tokenfab", "round_robin", rate), \
+            _get(records, "sglang-router", "round_robin", rate)
+        if ours and theirs:
+            parts = [f"{label} {_ratio(ours[key], theirs[key])}" for label, key in (
+                ("TTFT p50", "ttft_p50_s"), ("TTFT p90", "ttft_p90_s"), ("ITL p99", "itl_p99_s"),
+                ("output tok/s", "output_tok_s"),
+                ("dataplane CPU/token", "dataplane_cpu_ms_per_token"))]
+            lines.append(f"{rate:g} req/s, tokenfab round_robin / sglang-router round_robin: "
+                         + ", ".join(parts))
+        ours, theirs = _get(records, "tokenfab", "kv_aware", rate), \
+            _get(records, "sglang-router", "cache_aware", rate)
+        if ours and theirs:
+            lines.append(f"{rate:g} req/s, tokenfab kv_aware / sglang-router cache_aware: "
+                         f"TTFT p90 {_ratio(ours['ttft_p90_s'], theirs['ttft_p90_s'])}, "
+                         f"hit rate {_ratio(ours['hit_rate'], theirs['hit_rate'])}")
+        base = [r for r in records if r["rate_rps"] == rate and r["system"] != "tokenfab"]
+        mine = [r for r in records if r["rate_rps"] == rate and r["system"] == "tokenfab"]
+        if base and mine:
+            key = "dataplane_cpu_ms_per_token"
+            best = min(base, key=lambda r: r[key])
+            parts = [f"tokenfab {r['policy']} {_ratio(r[key], best[key])}" for r in mine]
+            lines.append(f"{rate:g} req/s, dataplane CPU/token against the best baseline "
+                         f"({best['system']} {best['policy']}, {best[key]:.2f} ms): "
+                         + ", ".join(parts))
+    return lines
+
+
+def _f(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    lines = [
+        "# Head to head: tokenfab, sglang-router and vllm-router in front of vLLM", "",
+        f"`{result['command']}`", "",
+        f"{s['requests']} requests sampled by conversation root from `{s['trace']}` (root share "
+        f"{s['root_share']}, seed {s['seed']}); each system before 2 engines of the tiny model "
+        f"(1 pinned core each, eager, block {s['block_tokens']}, {s['kv_cache']} KV cache each, "
+        f"prefix caching on); prompts of single-token words capped at {s['max_blocks']} blocks, "
+        f"{s['max_tokens']} output tokens each. Infinite-cache hit rate (bound) of the sample: "
+        f"{result['bound_hit_rate']:.3f}. Run took {result['duration_s'] / 60:.1f} min.", "",
+        f"ITL: {result['itl_definition']}. `return_token_ids` passed through: "
+        + ", ".join(f"{k} {'yes' if v else 'NO'}"
+                    for k, v in result["token_ids_passthrough"].items()) + ".", "",
+        "Data-path CPU is the router or Serve proxy, gateway and vLLM API servers or pool "
+        "replicas (not the `VLLM::` engine processes), over the replay window, all threads; "
+        "background is Ray's own daemons in % of one core; engine is the `VLLM::` processes in % "
+        "of one core. Listening sockets outside loopback: "
+        + (", ".join(sorted({x for v in result["sockets"].values() for x in v["non_loopback"]}))
+           or "none")
+        + "; connections to a peer outside loopback: "
+        + (", ".join(sorted({x for v in result["sockets"].values()
+                             for x in v["connected_outside"]})) or "none") + ".", "",
+        "| system | policy | load | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | E2E p50 (s) | "
+        "ITL p50 (ms) | ITL p99 (ms) | output tok/s | hit rate | dataplane CPU (ms/token) | "
+        "background CPU (%) | engine CPU (%) | requests | failed |",
+        "|---|---|---|" + "---:|" * 13,
+    ]
+    for r in result["records"]:
+        lines.append(
+            f"| {r['system']} | {r['policy']} | {r['load']} | {_f(r['ttft_p50_s'])} | "
+            f"{_f(r['ttft_p90_s'])} | {_f(r['ttft_p99_s'])} | {_f(r['e2e_p50_s'])} | "
+            f"{_f(r['itl_p50_s'], 1000, 2)} | {_f(r['itl_p99_s'], 1000, 1)} | "
+            f"{r['output_tok_s']:.1f} | {r['hit_rate']:.3f} | "
+            f"{r['dataplane_cpu_ms_per_token']:.2f} | {r['background_cpu_pct']:.1f} | "
+            f"{r['cpu_pct_of_core']['engine']:.0f} | {r['requests']} | {r['failed']} |")
+    lines += ["", "Ratios:", ""] + [f"- {line}" for line in result["ratios"]]
+    lines += ["", "Data-path and background processes, % of one core over the window:", ""]
+    for r in result["records"]:
+        top = [f"{process_cpu.short_name(row['title'])} {row['pct_of_core']:.1f}"
+               for row in r["cpu_breakdown"]
+               if row["category"] in ("dataplane", "background")][:8]
+        lines.append(f"- {r['system']} {r['policy']} {r['load']}: " + ", ".join(top)
+                     + f"; processes outside the stack: {r['cpu_pct_of_core']['other']:.1f}"
+                     + (f" (replayed {r['attempts']} times)" if r.get("attempts", 1) > 1 else ""))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = result["records"]
+    setups = list(dict.fromkeys((r["system"], r["policy"]) for r in records))
+    rates = sorted({r["rate_rps"] for r in records})
+    panels = (("ttft_p90_s", "TTFT p90 (s)"), ("hit_rate", "prefix hit rate"),
+              ("dataplane_cpu_ms_per_token", "data-path CPU (ms per output token)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.5))
+    width = 0.8 / max(1, len(setups))
+    for ax, (key, label) in zip(axes, panels):
+        for i, setup in enumerate(setups):
+            values = [(_get(records, *setup, rate) or {}).get(key) or 0 for rate in rates]
+            ax.bar(np.arange(len(rates)) + i * width, values, width, label=" ".join(setup),
+                   hatch="//" if setup[0] == "tokenfab" else None)
+        if key == "hit_rate":
+            ax.set_ylim(0, 1)
+            ax.axhline(result["bound_hit_rate"], color="k", linestyle="--", linewidth=1,
+                       label="infinite-cache bound")
+        ax.set_xticks(np.arange(len(rates)) + width * (len(setups) - 1) / 2,
+                      [f"{rate:g} req/s" for rate in rates])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Mooncake trace sample, 2 tiny-model engines on CPU, cold caches per run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,79 @@
+"""Mooncake-format traces for the benchmarks: sampling by conversation root, prompts made of
+single-token words, the infinite-cache bound, and arrival times rescaled to a target rate.
+
+A trace row is `{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`; one hash
+id stands for a 512-token block, replayed as `BLOCK_TOKENS` single-token words (one engine block).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+BLOCK_TOKENS, MAX_BLOCKS = 32, 60
+
+
+def sample_by_root(path: Path, share: float, seed: int) -> list[dict[str, Any]]:
+    """Every request whose first block is one of a seeded random `share` of the roots, in trace
+    order, so all prefix sharing among the sampled requests is kept."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    roots = sorted({row["hash_ids"][0] for row in rows})
+    chosen = set(random.Random(seed).sample(roots, max(1, int(share * len(roots)))))
+    return [row for row in rows if row["hash_ids"][0] in chosen]
+
+
+def upper_bound_hit_rate(requests: list[dict[str, Any]], max_blocks: int = MAX_BLOCKS) -> float:
+    """Share of prompt blocks an infinite cache shared by all replicas would serve."""
+    seen: set[int] = set()
+    hits = total = 0
+    for row in requests:
+        blocks = row["hash_ids"][:max_blocks]
+        total += len(blocks)
+        for block in blocks:
+            if block not in seen:
+                break
+            hits += 1
+        seen.update(blocks)
+    return hits / total if total else 0.0
+
+
+def single_token_words(model_path: str) -> list[str]:
+    """Words the tokenizer encodes as exactly one token after a space."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    words = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if text.startswith(" ") and text[1:].isalpha() and \
+                tokenizer(text, add_special_tokens=False).input_ids == [token_id]:
+            words.append(text)
+    return words
+
+
+class Prompts:
+    """Block id -> 32 words, fixed per `namespace` (a new namespace shares nothing with others)."""
+
+    def __init__(self, words: list[str], namespace: int, max_blocks: int = MAX_BLOCKS) -> None:
+        self._words, self._namespace, self._max_blocks = words, namespace, max_blocks
+        self._chunks: dict[int, str] = {}
+
+    def chunk(self, block: int) -> str:
+        if block not in self._chunks:
+            rng = random.Random(self._namespace * 1_000_003 + block)
+            self._chunks[block] = "".join(rng.choice(self._words) for _ in range(BLOCK_TOKENS))
+        return self._chunks[block]
+
+    def prompt(self, row: dict[str, Any]) -> str:
+        return "".join(self.chunk(block) for block in row["hash_ids"][:self._max_blocks])
+
+
+def arrival_offsets(requests: list[dict[str, Any]], rate: float) -> list[float]:
+    """Seconds from the start of the replay at which each request is sent: the trace's own
+    spacing, stretched or squeezed so the mean rate is `rate` requests/s."""
+    start_ms = requests[0]["timestamp"]
+    span_s = max(1.0, (requests[-1]["timestamp"] - start_ms) / 1000)
+    scale = (len(requests) / rate) / span_s
+    return [(row["timestamp"] - start_ms) / 1000 * scale for row in requests]
