@@ -17,13 +17,14 @@ from typing import Any
 import msgspec
 
 from autoscaler.policy import Targets, decide
+from autoscaler.records import DecisionSink, ScaleRecord, load_sink
 from autoscaler.signals import pool_signals
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.autoscaler")
 _metrics: dict[str, Any] = {}
 
 
-def _record(app: str, pool: str, current: int, desired: int, reason: str,
+def _record(sink: DecisionSink, app: str, pool: str, current: int, desired: int, reason: str,
             targets: Targets, state: dict[str, Any]) -> None:
     import ray
 
@@ -31,8 +32,6 @@ def _record(app: str, pool: str, current: int, desired: int, reason: str,
         return
     try:
         from ray.util import metrics
-
-        from pools.registry import ScaleRecord, get_registry
 
         if not _metrics:
             _metrics["decisions"] = metrics.Counter(
@@ -45,7 +44,7 @@ def _record(app: str, pool: str, current: int, desired: int, reason: str,
         if desired != current:
             direction = "up" if desired > current else "down"
             _metrics["decisions"].inc(tags={"app": app, "pool": pool, "direction": direction})
-        get_registry(app).record_scale.remote(ScaleRecord(
+        sink(app, ScaleRecord(
             pool=pool, current=current, desired=desired, reason=reason, at=time.time(),
             min_replicas=targets.min_replicas, max_replicas=targets.max_replicas,
             ttft_p90_s=targets.ttft_p90_s, itl_p90_s=targets.itl_p90_s,
@@ -55,12 +54,23 @@ def _record(app: str, pool: str, current: int, desired: int, reason: str,
         logger.exception("could not record the autoscaling decision of pool %s", pool)
 
 
+def held_requests(ctx: Any, signals: Any) -> float:
+    """Requests waiting for a replica of the pool outside any engine: those gateways hold (all
+    replicas full, as the replicas heard from the gateways) and Serve's handle queue (with no
+    replica at all, the gateways' wake-up calls wait there)."""
+    current = ctx.current_num_replicas
+    queued = (ctx.total_queued_requests if current else ctx.total_num_requests) or 0
+    return float(queued) + signals.held
+
+
 class PoolPolicy:
     """Serve's custom autoscaling policy for one pool. Serve builds it once with the
-    `policy_kwargs` (app, pool and the fields of Targets) and calls it every interval."""
+    `policy_kwargs` (app, pool, the import path of the decision sink, and the fields of
+    Targets) and calls it every interval."""
 
-    def __init__(self, app: str, pool: str, **targets: Any) -> None:
+    def __init__(self, app: str, pool: str, sink: str = "", **targets: Any) -> None:
         self.app, self.pool, self.targets = app, pool, Targets(**targets)
+        self._sink = load_sink(sink) if sink else (lambda app, record: None)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         t, pool = self.targets, self.pool
@@ -68,8 +78,7 @@ class PoolPolicy:
         now = ctx.current_time if ctx.current_time is not None else time.time()
         current = ctx.current_num_replicas
         signals = pool_signals(ctx.aggregated_metrics or {}, current)
-        # requests Serve's handles hold: replicas at max_ongoing_requests, or no replica at all
-        held = float((ctx.total_queued_requests if current else ctx.total_num_requests) or 0)
+        held = held_requests(ctx, signals)
         if held > 0:
             signals = msgspec.structs.replace(signals, waiting=signals.waiting + held)
         decision = decide(signals, t, current, now, state.get("calm_since"),
@@ -87,9 +96,24 @@ class PoolPolicy:
             state.update(last_change=f"{current} -> {desired}: {decision.reason}",
                          last_change_at=now)
         if changed or now - state.get("recorded_at", 0.0) >= 5.0:
-            _record(self.app, pool, current, desired, decision.reason, t, state)
+            _record(self._sink, self.app, pool, current, desired, decision.reason, t, state)
             state["recorded_at"] = now
         state["desired"] = desired
         state.update(calm_since=decision.calm_since, idle_since=decision.idle_since,
                      reason=decision.reason)
         return desired, state
+
+
+def ray_requests_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
+    """Ray Serve's default policy (`replica_queue_length_autoscaling_policy`) on the requests
+    tokenfab counts, for comparisons: Serve cannot count them itself, since they reach replicas
+    over the data channel. Desired = ongoing requests / target_ongoing_requests; Serve applies
+    its own delays, rounding and bounds around it, exactly as for its default policy.
+
+    Example: 2 replicas with 7 and 5 requests in flight, 3 held, target 2 -> 7.5 (Serve: 8).
+    """
+    if ctx.current_num_replicas == 0:
+        return ctx.target_num_replicas, {}
+    signals = pool_signals(ctx.aggregated_metrics or {}, ctx.current_num_replicas)
+    ongoing = signals.in_flight + held_requests(ctx, signals)
+    return ongoing / ctx.config.get_target_ongoing_requests(), {}

@@ -32,6 +32,8 @@ class ReplicaSignals(msgspec.Struct, frozen=True):
     generation_tokens_per_s: float = 0.0
     queued_prompt_tokens: float = 0.0
     prefill_capacity_tokens_per_s: float = 0.0  # 0 until the engine has prefilled
+    in_flight: float = 0.0  # requests the replica is serving (running, waiting, or finishing)
+    held: float = 0.0  # requests gateways hold for the pool, as far as this replica heard
 
 
 class PoolSignals(msgspec.Struct, frozen=True):
@@ -47,6 +49,9 @@ class PoolSignals(msgspec.Struct, frozen=True):
     generation_tokens_per_s: float = 0.0
     queued_prompt_tokens: float = 0.0
     prefill_capacity_tokens_per_s: float = 0.0  # per replica: the mean of those that measured it
+    in_flight: float = 0.0
+    held: float = 0.0  # requests gateways hold because no replica could take them (the most
+    # any replica heard of: each replica hears every gateway, so these are not summed)
 
     @property
     def ongoing(self) -> float:
@@ -72,6 +77,8 @@ def pool_signals(per_metric: Mapping[str, Mapping[object, float]], replicas: int
         generation_tokens_per_s=sum(values("generation_tokens_per_s")),
         queued_prompt_tokens=sum(values("queued_prompt_tokens")),
         prefill_capacity_tokens_per_s=statistics.fmean(capacities) if capacities else 0.0,
+        in_flight=sum(values("in_flight")),
+        held=max(values("held"), default=0.0),
     )
 
 

@@ -4,16 +4,15 @@ Both fronts stand before the same engine (the tiny model, one pinned core, eager
 same near-trivial request (a 2-token prompt, 1 output token), so what differs is the layer above
 the engine:
 
-- tokenfab: HTTP -> Ray Serve proxy -> gateway (API key, tenant limits, fair queue, KV-aware
-  routing key) -> pool replica. Baseline: the same request sent straight to the pool replica
-  through its Serve handle, with the one-call method the gateway uses for non-streamed requests
-  ("calling the engine pool directly").
-- vLLM: HTTP -> vLLM's API server -> engine. Baseline: the same request through vLLM's own
-  OpenAI serving code in-process (pools.vllm_engine.VllmEngine, what a pool replica runs), no HTTP.
+- tokenfab: HTTP -> gateway (API key, tenant limits, fair queue, KV-aware routing key) -> data
+  channel -> pool replica -> engine.
+- vLLM: HTTP -> vLLM's API server -> engine.
 
-Added latency = percentile of the front's latencies minus the same percentile of its baseline's,
-with requests sent one at a time and front/baseline interleaved. Max requests/s: 32 clients
-in a closed loop for `--seconds`, all through the front.
+One baseline for both: the same request through vLLM's own OpenAI serving code in-process
+(pools.vllm_engine.VllmEngine, what a pool replica runs), with no HTTP and no other process in
+between. Added latency = percentile of a front's latencies minus the same percentile of the
+baseline's, requests sent one at a time. Max requests/s: 32 clients in a closed loop for
+`--seconds`, all through the front.
 
     .venv/bin/python benchmarks/gateway.py [--requests 300] [--seconds 20]
 
@@ -39,7 +38,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback si
 
 from orchestrator import cluster
 from orchestrator.config import parse_topology
-from orchestrator.tenancy import hash_key
+from orchestrator.gateway.tenancy import hash_key
 from harness import deployed, remove
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,17 +68,16 @@ TOPOLOGY = {
 }
 
 
-def _sequential(front: Any, baseline: Any, count: int) -> tuple[list[float], list[float]]:
-    """Latencies (s) of `count` requests through each, interleaved; 20 warm-up requests first."""
+def _sequential(front: Any, count: int) -> list[float]:
+    """Latencies (s) of `count` requests sent one at a time, after 20 warm-up requests."""
     for _ in range(20):
-        front(), baseline()
-    fronts, baselines = [], []
+        front()
+    latencies = []
     for _ in range(count):
-        for call, out in ((front, fronts), (baseline, baselines)):
-            started = time.perf_counter()
-            call()
-            out.append(time.perf_counter() - started)
-    return fronts, baselines
+        started = time.perf_counter()
+        front()
+        latencies.append(time.perf_counter() - started)
+    return latencies
 
 
 async def _max_rps(url: str, headers: dict[str, str], seconds: float) -> tuple[float, int]:
@@ -102,10 +100,18 @@ async def _max_rps(url: str, headers: dict[str, str], seconds: float) -> tuple[f
     return done / elapsed, failed
 
 
+def _p(latencies: list[float], q: float) -> float:
+    return float(np.percentile(latencies, q)) * 1000
+
+
 def _record(target: str, fronts: list[float], baselines: list[float], rps: float,
-            failed: int) -> dict[str, Any]:
-    p = lambda xs, q: float(np.percentile(xs, q)) * 1000  # noqa: E731
-    return {"target": target,
+            failed: int, replica: list[float] | None) -> dict[str, Any]:
+    p = _p
+    hops = {}
+    if replica is not None:  # HTTP and gateway, then the replica's channel and serving code
+        hops = {"gateway_p50_ms": round(p(fronts, 50) - p(replica, 50), 2),
+                "replica_p50_ms": round(p(replica, 50) - p(baselines, 50), 2)}
+    return hops | {"target": target,
             "added_p50_ms": round(p(fronts, 50) - p(baselines, 50), 2),
             "added_p99_ms": round(p(fronts, 99) - p(baselines, 99), 2),
             "max_rps": round(rps, 1),
@@ -115,22 +121,13 @@ def _record(target: str, fronts: list[float], baselines: list[float], rps: float
             "failed_in_load": failed}
 
 
-def tokenfab(count: int, seconds: float) -> dict[str, Any]:
-    import ray
-    from ray import serve
-
+def tokenfab(count: int, seconds: float) -> tuple[list[float], float, int, list[float]]:
+    """The gateway's latencies and max req/s, and the pool replica's own latencies: the same
+    request sent on its data channel directly, as the gateway sends it (no HTTP, no gateway)."""
     topology = parse_topology(TOPOLOGY, "gateway benchmark")
     cluster.start_head(topology.cluster)
     try:
         root = deployed(topology)
-        ray.init(address=topology.cluster.address, log_to_driver=False, logging_level="ERROR")
-        handle = serve.get_deployment_handle("pool-main", topology.name)
-        loop = asyncio.new_event_loop()
-
-        async def direct() -> None:  # the replica's one-call method, as the gateway uses it
-            head, _ = await handle.reply_whole.remote("completions", BODY)
-            assert head.status == 200
-
         headers = {"authorization": f"Bearer {KEY}"}
         http = httpx.Client(trust_env=False, timeout=60)
 
@@ -138,13 +135,43 @@ def tokenfab(count: int, seconds: float) -> dict[str, Any]:
             response = http.post(f"{root}/v1/completions", json=BODY, headers=headers)
             assert response.status_code == 200, response.text
 
-        fronts, baselines = _sequential(front, lambda: loop.run_until_complete(direct()), count)
+        fronts = _sequential(front, count)
+        replica = _channel_direct(topology, http.get(f"{root}/tokenfab/replicas").json()[0], count)
         rps, failed = asyncio.run(_max_rps(f"{root}/v1/completions", headers, seconds))
-        ray.shutdown()
         remove(topology)
     finally:
         cluster.stop_ray()
-    return _record("tokenfab", fronts, baselines, rps, failed)
+    return fronts, rps, failed, replica
+
+
+def _channel_direct(topology: Any, report: dict[str, Any], count: int) -> list[float]:
+    import ray
+
+    from channel.client import ReplicaLink
+    from channel.frames import Request
+    from channel.secret import channel_secret
+
+    ray.init(address=topology.cluster.address, log_to_driver=False, logging_level="ERROR")
+    secret = channel_secret(topology.name)
+    ray.shutdown()
+    host, port = report["channel"].rsplit(":", 1)
+    request = Request("completions", json.dumps(BODY).encode())
+
+    async def run() -> list[float]:
+        link = ReplicaLink(report["replica_id"], host, int(port), secret, "benchmark")
+        await link.connect()
+        latencies = []
+        for i in range(count + 20):
+            started = time.perf_counter()
+            stream = link.open(request)
+            assert (await stream.head).status == 200
+            await stream.end
+            if i >= 20:
+                latencies.append(time.perf_counter() - started)
+        link.close()
+        return latencies
+
+    return asyncio.run(run())
 
 
 def _vllm_server() -> subprocess.Popen:
@@ -158,8 +185,7 @@ def _vllm_server() -> subprocess.Popen:
         start_new_session=True)
 
 
-def vllm(count: int, seconds: float) -> dict[str, Any]:
-    """vLLM's server first (its numbers), then the in-process baseline with the same engine."""
+def vllm(count: int, seconds: float) -> tuple[list[float], float, int, None]:
     server, url = _vllm_server(), f"http://127.0.0.1:{VLLM_PORT}"
     http = httpx.Client(trust_env=False, timeout=60)
     try:
@@ -178,23 +204,21 @@ def vllm(count: int, seconds: float) -> dict[str, Any]:
             response = http.post(f"{url}/v1/completions", json=BODY)
             assert response.status_code == 200, response.text
 
-        for _ in range(20):
-            front()
-        fronts = []
-        for _ in range(count):
-            started = time.perf_counter()
-            front()
-            fronts.append(time.perf_counter() - started)
+        fronts = _sequential(front, count)
         rps, failed = asyncio.run(_max_rps(f"{url}/v1/completions", {}, seconds))
     finally:
         server.terminate()
         server.wait(60)
+    return fronts, rps, failed, None
+
+
+def baseline(count: int) -> list[float]:
+    """The engine behind vLLM's OpenAI serving code, in-process, in a process of its own."""
     result = subprocess.run([sys.executable, __file__, "--in-process-baseline", str(count)],
                             capture_output=True, text=True, timeout=900,
                             env=os.environ | {"VLLM_CPU_OMP_THREADS_BIND": ENGINE_CORE})
     assert result.returncode == 0, result.stderr[-3000:]
-    baselines = json.loads(result.stdout.strip().splitlines()[-1])
-    return _record("vllm", fronts, baselines, rps, failed)
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def in_process_baseline(count: int) -> None:
@@ -225,8 +249,8 @@ def markdown(records: list[dict[str, Any]], count: int, seconds: float) -> str:
         "# Gateway overhead", "",
         f"`python benchmarks/gateway.py --requests {count} --seconds {seconds:g}`: the tiny model "
         "on one pinned core, a 2-token prompt and 1 output token; added latency is the front's "
-        "percentile minus its baseline's (tokenfab: the pool replica called through its Serve "
-        "handle; vLLM: its OpenAI serving code in-process), from requests sent one at a time; max "
+        "percentile minus the baseline's, the same baseline for both fronts (the engine behind "
+        "vLLM's OpenAI serving code, in-process, no HTTP), from requests sent one at a time; max "
         f"req/s from {CLIENTS} closed-loop clients. tokenfab's path includes API-key auth, tenant "
         "limits, the fair queue and the routing key.", "",
         "| target | added p50 (ms) | added p99 (ms) | max req/s | front p50 / p99 (ms) | "
@@ -239,6 +263,12 @@ def markdown(records: list[dict[str, Any]], count: int, seconds: float) -> str:
                      f"{r['baseline_p50_ms']:.2f} / {r['baseline_p99_ms']:.2f} | "
                      f"{r['failed_in_load']} |")
     by = {r["target"]: r for r in records}
+    if "tokenfab" in by:
+        t = by["tokenfab"]
+        lines += ["", "Where tokenfab's added p50 goes, by hop (the replica measured on its data "
+                  "channel directly, as the gateway calls it): HTTP and gateway "
+                  f"{t['gateway_p50_ms']:.2f} ms, pool replica (channel and serving code) "
+                  f"{t['replica_p50_ms']:.2f} ms."]
     if {"tokenfab", "vllm"} <= by.keys():
         lines += ["", f"Ratio tokenfab/vLLM: added p50 "
                   f"{by['tokenfab']['added_p50_ms'] / by['vllm']['added_p50_ms']:.2f}, max req/s "
@@ -255,10 +285,13 @@ def main() -> None:
     if args.in_process_baseline:
         in_process_baseline(args.in_process_baseline)
         return
+    print("baseline: the engine in-process")
+    baselines = baseline(args.requests)
     records = []
     for name, run in (("tokenfab", tokenfab), ("vllm", vllm)):
         print(f"{name}: measuring")
-        records.append(run(args.requests, args.seconds))
+        fronts, rps, failed, replica = run(args.requests, args.seconds)
+        records.append(_record(name, fronts, baselines, rps, failed, replica))
         print(json.dumps(records[-1]))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gateway.json").write_text(json.dumps({"records": records}, indent=2))

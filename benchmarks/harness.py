@@ -17,5 +17,5 @@ def deployed(topology: Topology) -> str:
 
 def remove(topology: Topology) -> None:
     client = deploy.ServeClient(topology.cluster.dashboard_url)
-    client.delete(topology.name, topology)
+    client.delete(topology.name)
     deploy.wait_until_gone(client, topology.name, 300)

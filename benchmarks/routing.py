@@ -33,7 +33,7 @@ from harness import deployed, remove
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
-POLICIES = ["round_robin", "least_loaded", "prefix_approx", "ray_prefix_affinity", "kv_aware"]
+POLICIES = ["round_robin", "least_loaded", "prefix_approx", "kv_aware"]
 BLOCK_TOKENS, MAX_BLOCKS, ROOT_SHARE, SAMPLE_SEED = 32, 60, 0.06, 0
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6392",
            "dashboard_url": "http://127.0.0.1:8277", "num_cpus": 2}

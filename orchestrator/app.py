@@ -10,18 +10,18 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
 
-from orchestrator.config import (PoolSpec, Topology, parse_topology, pool_deployment_name,
-                                  routing_policy)
-from orchestrator.errors import TopologyError
-from orchestrator.gateway import Gateway
+from orchestrator.gateway.ingress import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_TIMEOUT_S, Gateway
+from orchestrator.config import PoolSpec, Topology, parse_topology, pool_deployment_name
 from pools.deployment import PoolReplica, ReplicaSettings
 from pools.engine import EngineSpec
+from tokenfab.errors import TopologyError
 
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 120.0
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
+DECISION_SINK = "pools.registry:record_scale"  # where the autoscaler's decisions are kept
 
 
 def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:
@@ -51,33 +51,26 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
         kv_events_transport=topology.kv_events.transport,
         drain_timeout_s=DRAIN_TIMEOUT_S,
         nixl_progress_delay_us=topology.disaggregation.nixl_progress_delay_us,
+        max_ongoing_requests=pool.max_ongoing_requests,
     )
-
-
-def request_router_config(policy: str) -> RequestRouterConfig | None:
-    """Ray Serve's request-router hook for a policy (None: Serve's power of two choices)."""
-    if policy == "least_loaded":
-        return None
-    if policy == "ray_prefix_affinity":
-        return RequestRouterConfig(request_router_class="router.baselines:RayPrefixAffinityRouter")
-    return RequestRouterConfig(request_router_class="router.serve_router:ServiceRequestRouter")
 
 
 def autoscaling_config(topology: Topology, pool: PoolSpec) -> dict[str, Any]:
     """Serve's autoscaling for a pool: tokenfab's policy (autoscaler.serve_policy) with the
     topology's targets (and the pool's own). Serve's own delays are off: the policy keeps its own."""
     spec = topology.targets(pool)
-    if spec.policy == "ray_requests":
+    if spec.policy == "ray_requests":  # Serve's own delays and formula, on our request counts
         return {"min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
                 "initial_replicas": pool.replicas,
-                "target_ongoing_requests": spec.target_ongoing_requests}
+                "target_ongoing_requests": spec.target_ongoing_requests,
+                "policy": {"policy_function": "autoscaler.serve_policy:ray_requests_policy"}}
     return {
         "min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
         "initial_replicas": pool.replicas,
         "metrics_interval_s": spec.interval_s, "look_back_period_s": spec.look_back_s,
         "upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0,
         "policy": {"policy_function": "autoscaler.serve_policy:PoolPolicy", "policy_kwargs": {
-            "app": topology.name, "pool": pool.name, "role": pool.role,
+            "app": topology.name, "pool": pool.name, "sink": DECISION_SINK, "role": pool.role,
             "min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
             "ttft_p90_s": spec.ttft_p90_s, "itl_p90_s": spec.itl_p90_s,
             "max_kv_usage": spec.max_kv_usage, "target_ongoing": spec.target_ongoing_requests,
@@ -90,12 +83,10 @@ def autoscaling_config(topology: Topology, pool: PoolSpec) -> dict[str, Any]:
 
 def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
     resources = pool.resources
-    routing = request_router_config(routing_policy(topology, pool))
-    extra = {"request_router_config": routing} if routing is not None else {}
     if topology.autoscaled(pool):
-        extra |= {"num_replicas": "auto", "autoscaling_config": autoscaling_config(topology, pool)}
+        extra = {"num_replicas": "auto", "autoscaling_config": autoscaling_config(topology, pool)}
     else:
-        extra["num_replicas"] = pool.replicas
+        extra = {"num_replicas": pool.replicas}
     deployment = serve.deployment(PoolReplica).options(
         name=pool_deployment_name(pool.name),
         max_ongoing_requests=pool.max_ongoing_requests,
@@ -118,8 +109,10 @@ def build_topology_app(topology: Topology) -> Application:
     gateway = serve.deployment(Gateway).options(
         name="gateway",
         num_replicas=topology.gateway.replicas,
-        ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=10_000,
+        # on the head node, where the gateway's address is (its replicas share the port)
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=GATEWAY_DRAIN_TIMEOUT_S + 10,
     )
     return gateway.bind(topology.model_dump(mode="json"), pools)
 

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from orchestrator.config import ClusterSpec, Topology, load_topology, parse_topology, topology_schema
-from orchestrator.errors import ClusterError, TokenfabError, TopologyError
+from tokenfab.errors import ClusterError, TokenfabError, TopologyError
 
 DEFAULT_CLUSTER = ClusterSpec()
 
@@ -84,7 +84,7 @@ def hash_key_command(key: str | None, generate: bool) -> None:
     """Print the digest a topology stores for an API key (KEY, or one line of stdin)."""
     import secrets
 
-    from orchestrator.tenancy import hash_key
+    from orchestrator.gateway.tenancy import hash_key
 
     if generate:
         key = "tf-" + secrets.token_urlsafe(32)
@@ -250,8 +250,7 @@ def _down(app: str | None, cluster_spec: ClusterSpec, stop_ray: bool) -> None:
         names = [app] if app else [a["name"] for a in client.deployed_apps()
                                    if a.get("import_path") == deploy.IMPORT_PATH]
         for name in names:
-            config = (client.application(name) or {}).get("deployed_app_config")
-            if client.delete(name, deploy.topology_of(config) if config else None):
+            if client.delete(name):
                 deploy.wait_until_gone(client, name, timeout_s=180)
                 click.echo(f"removed application {name}")
     if stop_ray:

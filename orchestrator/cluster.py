@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import httpx
 
 from orchestrator.config import ClusterSpec
-from orchestrator.errors import ClusterError
+from tokenfab.errors import ClusterError
 
 _ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
 # Ray replaces a loopback --node-ip-address by the machine's other interface unless told it runs
@@ -31,9 +31,24 @@ def ray_executable() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
+def ray_auth_headers() -> dict[str, str]:
+    """The header that authenticates this user to a Ray dashboard with token authentication
+    (Ray turns it on for clusters started where a token exists): the token from RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as Ray's own clients find it. Empty without one."""
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray/auth_token")
+        try:
+            token = path.expanduser().read_text().strip()
+        except OSError:
+            return {}
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 def dashboard_up(url: str, timeout_s: float = 2.0) -> bool:
     try:
-        return httpx.get(f"{url}/api/version", timeout=timeout_s, trust_env=False).is_success
+        return httpx.get(f"{url}/api/version", timeout=timeout_s, trust_env=False,
+                         headers=ray_auth_headers()).is_success
     except httpx.HTTPError:
         return False
 

@@ -13,7 +13,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
                       model_validator)
 
-from orchestrator.errors import TopologyError
+from tokenfab.errors import TopologyError
 
 PoolRole = Literal["unified", "prefill", "decode"]
 
@@ -160,14 +160,13 @@ class RouterSpec(_Strict):
     Formulas and worked examples: router/README.md.
     """
 
-    policy: Literal["kv_aware", "prefix_approx", "round_robin", "least_loaded",
-                    "ray_prefix_affinity"] = Field(
+    policy: Literal["kv_aware", "prefix_approx", "round_robin", "least_loaded"] = Field(
         "kv_aware",
         description="kv_aware: lowest estimated time to first token from the engines' KV events "
-        "and a TTFT model fitted online, with affinity to where the prefix was sent. prefix_approx: prefix affinity from the router's own "
-        "past decisions, balanced by queue length. round_robin: in turn. least_loaded: Ray "
-        "Serve's power of two choices. ray_prefix_affinity: Ray Serve LLM's "
-        "PrefixCacheAffinityRouter (a baseline for benchmarks).",
+        "and a TTFT model fitted online, with affinity to where the prefix was sent. "
+        "prefix_approx: prefix affinity from the router's own past decisions, balanced by queue "
+        "length. round_robin: in turn. least_loaded: power of two choices on requests in flight "
+        "(Ray Serve's default router).",
     )
     weights: dict[str, float] = Field(
         default_factory=dict,
@@ -209,7 +208,7 @@ class RouterSpec(_Strict):
 class GatewaySpec(_Strict):
     """The OpenAI-compatible HTTP endpoint."""
 
-    host: str = Field("127.0.0.1", description="Address the HTTP proxy listens on.")
+    host: str = Field("127.0.0.1", description="Address the gateway listens on (its replicas on a node share it).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     route_prefix: str = Field("/", pattern=r"^/", description="URL prefix of this application.")
     replicas: int = Field(1, ge=1, description="Ingress replicas.")

@@ -13,8 +13,9 @@ from typing import Any
 
 import httpx
 
+from orchestrator.cluster import ray_auth_headers
 from orchestrator.config import Topology, parse_topology, pool_deployment_name
-from orchestrator.errors import ClusterError
+from tokenfab.errors import ClusterError
 
 IMPORT_PATH = "orchestrator.app:build_app"
 _API = "/api/serve/applications/"
@@ -34,7 +35,7 @@ def application_config(topology: Topology) -> dict[str, Any]:
     """The Serve application entry for one topology."""
     return {
         "name": topology.name,
-        "route_prefix": topology.gateway.route_prefix,
+        "route_prefix": None,  # the gateway serves HTTP itself (gateway.ingress), not Serve's proxy
         "import_path": IMPORT_PATH,
         "args": {"topology": _without_counts(topology)},
         "deployments": [  # autoscaled pools: Serve owns the count (autoscaler.serve_policy)
@@ -60,7 +61,8 @@ class ServeClient:
     """Talks to the dashboard's Serve REST API; translates transport errors to ClusterError."""
 
     def __init__(self, dashboard_url: str, timeout_s: float = 30.0) -> None:
-        self._http = httpx.Client(base_url=dashboard_url, timeout=timeout_s, trust_env=False)
+        self._http = httpx.Client(base_url=dashboard_url, timeout=timeout_s, trust_env=False,
+                                  headers=ray_auth_headers())
         self._url = dashboard_url
 
     def _call(self, method: str, body: Any = None) -> httpx.Response:
@@ -83,25 +85,20 @@ class ServeClient:
         """Add or replace this topology's application; other applications stay as they are."""
         apps = [app for app in self.deployed_apps() if app["name"] != topology.name]
         apps.append(application_config(topology))
-        self.put(apps, topology)
+        self.put(apps)
 
-    def put(self, apps: list[dict[str, Any]], topology: Topology) -> None:
-        gateway = topology.gateway
-        config = {
-            "proxy_location": "HeadOnly",
-            "http_options": {"host": gateway.host, "port": gateway.port},
-            "applications": apps,
-        }
+    def put(self, apps: list[dict[str, Any]]) -> None:
+        config = {"proxy_location": "Disabled", "applications": apps}
         self._call("PUT", config)
 
-    def delete(self, name: str, topology: Topology | None = None) -> bool:
+    def delete(self, name: str) -> bool:
         """Remove one application; shut Serve down when it was the last. False if absent."""
         apps = self.deployed_apps()
         rest = [app for app in apps if app["name"] != name]
         if len(rest) == len(apps):
             return False
-        if rest and topology is not None:
-            self.put(rest, topology)
+        if rest:
+            self.put(rest)
         else:
             self._call("DELETE")
         return True

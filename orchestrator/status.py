@@ -13,7 +13,7 @@ import httpx
 
 from orchestrator.config import Topology
 from orchestrator.deploy import IMPORT_PATH, ServeClient, topology_of
-from orchestrator.errors import ClusterError
+from tokenfab.errors import ClusterError
 
 _COLUMNS = [("pool", "POOL"), ("role", "ROLE"), ("replica", "REPLICA"), ("state", "STATE"),
             ("health", "HEALTH"), ("node", "NODE"), ("cores", "CORES"), ("running", "RUN"),

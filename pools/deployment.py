@@ -1,7 +1,8 @@
 """A pool replica: one Ray Serve replica running one engine in-process.
 
-It pins the engine to its own cores, answers OpenAI requests as a stream of ReplyHead and bytes,
-reports its load to the registry and to Serve's router, and drains before it goes away.
+It pins the engine to its own cores, answers OpenAI requests that gateways send on its data
+channel (channel/), reports its load to the registry and its signals to Serve's autoscaler, and
+drains before it goes away. Serve owns its life: placement, health checks, scaling, stopping.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import msgspec
 import ray
 from ray import serve
 
+from channel.secret import channel_secret
+from channel.server import ChannelServer, Reply, Request
 from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
-from orchestrator.errors import EngineError
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import Endpoint, EngineSpec, ReplyHead, openai_error
 from pools.kv_events import EventForwarder, KVEventEndpoints, plan_endpoints
 from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
-from router.wire import RouteKey
+from pools.usage import StreamMeter, usage_of, with_stream_usage
+from tokenfab.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class ReplicaSettings(msgspec.Struct, frozen=True):
     kv_events_transport: str = "tcp"
     drain_timeout_s: float = 60.0
     nixl_progress_delay_us: int = 0
+    max_ongoing_requests: int = 64  # more at once are refused (the gateway holds or reroutes)
 
 
 def _ensure_generated_model(spec: EngineSpec) -> None:
@@ -83,11 +87,16 @@ class PoolReplica:
         spec = self._with_kv_transfer(spec)
         self._spec = spec
         self._engine = VllmEngine(spec)
+        self._channel: ChannelServer | None = None
+        self._channel_address: str | None = None
         self._registry = get_registry(settings.app)
         self._reporter = asyncio.create_task(self._report_forever(), name="registry-reporter")
         if spec.generate:
             await asyncio.to_thread(_ensure_generated_model, spec)
         await self._engine.start()
+        self._channel = ChannelServer(await asyncio.to_thread(channel_secret, settings.app), self)
+        port = await self._channel.start(self._node_ip)
+        self._channel_address = f"{self._node_ip}:{port}"
         self._engine_start_s = time.time() - self._started
         self._state = "ready"
         logger.info("replica %s of pool %s ready in %.1f s", self._replica_id, settings.pool,
@@ -129,13 +138,41 @@ class PoolReplica:
             os.environ[nixl_tuning.ENV] = str(self._settings.nixl_progress_delay_us)
         return msgspec.structs.replace(spec, kv_transfer_config=config)
 
-    async def reply(self, endpoint: Endpoint, body: dict,
-                    route: RouteKey | None = None) -> AsyncIterator[ReplyHead | bytes]:
-        """Answer one OpenAI request; see pools.engine.ReplyHead for the stream's shape.
+    # -- the data channel (channel.server.Handler) ----------------------------------------------
 
-        `route` is what the gateway's router computed for the request; the replica ignores it
-        (Serve's request router reads it from the call's arguments).
-        """
+    def admit(self) -> str | None:
+        if self._state != "ready":
+            return self._state
+        if self._in_flight >= self._settings.max_ongoing_requests:
+            return "full"
+        self._in_flight += 1
+        return None
+
+    def release(self) -> None:
+        self._in_flight -= 1
+
+    async def serve(self, request: Request, reply: Reply) -> None:
+        """One request from a gateway: the engine's reply, relayed as it comes, then its usage."""
+        body, keep_usage = with_stream_usage(msgspec.json.decode(request.body))
+        meter, streaming = StreamMeter(keep_usage), False
+        async for item in self._engine.reply(request.endpoint, body):
+            if isinstance(item, ReplyHead):
+                streaming = item.streaming
+                reply.head(item.status, streaming, self._replica_id)
+            elif streaming:
+                chunk, token = meter.feed(item)
+                if chunk:
+                    reply.data(chunk, token)
+            else:
+                meter.usage = usage_of(item)  # zeros for an error body
+                reply.data(item)
+        reply.end(meter.usage)
+
+    # -- Serve handle methods ----------------------------------------------------------------
+
+    async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
+        """Answer one OpenAI request through a Serve handle (tools and tests; gateways use the
+        channel): see pools.engine.ReplyHead for the stream's shape."""
         if self._state != "ready":
             yield ReplyHead(503, streaming=False)
             yield msgspec.json.encode(openai_error(503, "replica is draining; retry"))
@@ -149,16 +186,9 @@ class PoolReplica:
         finally:
             self._in_flight -= 1
 
-    async def reply_whole(self, endpoint: Endpoint, body: dict,
-                          route: RouteKey | None = None) -> tuple[ReplyHead, bytes]:
-        """A non-streamed request's whole answer in one call (cheaper than a streaming call)."""
-        head, parts = None, []
-        async for item in self.reply(endpoint, body, route):
-            if isinstance(item, ReplyHead):
-                head = item
-            else:
-                parts.append(item)
-        return head, b"".join(parts)
+    async def wake(self) -> None:
+        """A gateway holds requests for this pool while it has no replica: a call that Serve
+        queues until a replica exists is what makes its autoscaler count them (scale from 0)."""
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and replaces it.
@@ -176,11 +206,10 @@ class PoolReplica:
         """Polled by Serve for the pool's autoscaling policy (autoscaler.serve_policy)."""
         if self._state != "ready":
             return {}
-        return msgspec.structs.asdict(self._engine.signals())
-
-    def record_routing_stats(self) -> dict[str, float]:
-        """Polled by Serve and exposed to request routers as `RunningReplica.routing_stats`."""
-        return msgspec.structs.asdict(self._load()) | {"ready": float(self._state == "ready")}
+        signals = msgspec.structs.replace(
+            self._engine.signals(), in_flight=float(self._in_flight),
+            held=float(self._channel.held() if self._channel else 0))
+        return msgspec.structs.asdict(signals)
 
     def _load(self):
         return msgspec.structs.replace(self._engine.load(), in_flight=self._in_flight)
@@ -195,7 +224,7 @@ class PoolReplica:
             block_size=self._engine.block_size, started_s=self._started,
             side_channel=f"{self._side_channel.host}:{self._side_channel.port}"
             if self._side_channel else None,
-            engine_start_s=self._engine_start_s,
+            engine_start_s=self._engine_start_s, channel=self._channel_address,
         )
 
     async def _report_forever(self) -> None:
@@ -208,12 +237,17 @@ class PoolReplica:
             await asyncio.sleep(REPORT_INTERVAL_S)
 
     async def __del__(self) -> None:
-        """Drain: Serve stopped routing here; finish in-flight requests, then stop the engine."""
+        """Drain: tell the gateways to send nothing more, finish in-flight requests, then stop
+        the engine."""
         self._state = "draining"
+        if self._channel is not None:
+            self._channel.set_state("draining")
         deadline = time.monotonic() + self._settings.drain_timeout_s
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self._reporter.cancel()
+        if self._channel is not None:
+            self._channel.close()
         try:
             await self._registry.forget.remote(self._replica_id)
         except ray.exceptions.RayError:

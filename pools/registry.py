@@ -12,6 +12,7 @@ import time
 import msgspec
 import ray
 
+from autoscaler.records import ScaleRecord
 from pools.engine import LoadSnapshot
 
 NAMESPACE = "tokenfab"
@@ -37,22 +38,7 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     started_s: float = 0.0
     engine_start_s: float = 0.0
     reported_at: float = 0.0
-
-
-class ScaleRecord(msgspec.Struct, frozen=True):
-    """The autoscaler's latest decision for one pool."""
-
-    pool: str
-    current: int
-    desired: int
-    reason: str
-    at: float
-    min_replicas: int
-    max_replicas: int
-    ttft_p90_s: float
-    itl_p90_s: float
-    last_change: str = ""  # "1 -> 2: <reason>" of the latest decision that moved the count
-    last_change_at: float = 0.0
+    channel: str | None = None  # host:port of its data channel, once the engine is ready
 
 
 def registry_name(app: str) -> str:
@@ -91,3 +77,9 @@ def get_registry(app: str) -> ray.actor.ActorHandle:
     return ReplicaRegistry.options(
         name=registry_name(app), namespace=NAMESPACE, get_if_exists=True
     ).remote()
+
+
+def record_scale(app: str, record: ScaleRecord) -> None:
+    """Where the autoscaler writes its decisions (autoscaler.records.DecisionSink). Called in the
+    Serve controller, not on any request path."""
+    get_registry(app).record_scale.remote(record)

@@ -15,7 +15,7 @@ import msgspec
 from pydantic import ValidationError
 
 from autoscaler.signals import ReplicaSignals, Window
-from orchestrator.errors import EngineDeadError
+from tokenfab.errors import EngineDeadError
 from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, openai_error
 
 SIGNAL_WINDOW_S = 10.0  # latencies and token rates the autoscaler sees are over this window

@@ -4,19 +4,25 @@ Batches carry the publisher's sequence numbers. A batch that skips ahead (the ro
 or the subscription dropped messages) is a gap: the missing batches are fetched from the replica's
 replay endpoint and applied first. When they cannot be fetched, the replica's entries are cleared:
 the map may then under-report what is cached there, never over-report it.
+
+Everything runs on the event loop that owns the map (zmq's asyncio sockets), so the map has one
+writer and needs no lock.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import zmq
+import zmq.asyncio
 
 from router.events import decode_batch, decode_seq
 from router.index import KVBlockIndex, ReplicaId
+
+logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -27,25 +33,24 @@ class StreamStats:
     gaps_recovered: int = 0
     gaps_cleared: int = 0
     duplicates: int = 0
+    malformed: int = 0  # batches that could not be decoded (skipped)
     caught_up: int = 0  # batches applied from the replay buffer when subscribing
     last_lag_s: float = 0.0  # how old the newest batch was when applied (publisher's clock)
 
 
 class ReplicaEventStream:
-    """Used by one thread (`catch_up`, then `poll`). The index is touched only under `lock`
-    when one is given, so waiting on sockets never holds up the index's readers."""
+    """One replica's subscription. `run` catches up, then applies batches until cancelled."""
 
     def __init__(self, replica: ReplicaId, endpoint: str, replay_endpoint: str | None,
-                 index: KVBlockIndex, context: zmq.Context, replay_timeout_s: float = 2.0,
-                 lock: threading.Lock | None = None) -> None:
+                 index: KVBlockIndex, context: zmq.asyncio.Context,
+                 replay_timeout_s: float = 2.0) -> None:
         self.replica, self.endpoint, self.replay_endpoint = replica, endpoint, replay_endpoint
         self.stats = StreamStats()
-        self._index, self._context, self._replay_timeout_ms = index, context, int(1000 * replay_timeout_s)
-        self._guard = lock if lock is not None else nullcontext()
+        self._index, self._context, self._replay_timeout_s = index, context, replay_timeout_s
         self._next_seq = 0
         self._socket = self._subscribe()
 
-    def _subscribe(self) -> zmq.Socket:
+    def _subscribe(self) -> zmq.asyncio.Socket:
         socket = self._context.socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.setsockopt(zmq.LINGER, 0)
@@ -57,57 +62,69 @@ class ReplicaEventStream:
         self._socket.close()
         self._socket = self._subscribe()
 
-    @property
-    def socket(self) -> zmq.Socket:
-        """The subscription, for a poller waiting on many streams (changes on resubscribe)."""
-        return self._socket
-
     def close(self) -> None:
         self._socket.close()
 
-    def catch_up(self) -> int:
+    async def run(self) -> None:
+        """Catch up, then follow until cancelled. A bad batch is skipped and counted; it never
+        stops the stream."""
+        try:
+            await self.catch_up()
+            while True:
+                frames = await self._socket.recv_multipart()
+                if len(frames) != 3:
+                    self.stats.malformed += 1
+                    continue
+                await self._receive(decode_seq(frames[1]), frames[2])
+        finally:
+            self.close()
+
+    async def catch_up(self) -> int:
         """Apply what the replica still buffers from before we subscribed (a router that joins
         late, e.g. a new ingress replica). If the oldest batches are gone, the newer ones are
         still exact for the blocks they store. Returns how many batches were applied."""
-        replayed = self._replay(self._next_seq, 2**62) or []
+        replayed = await self._replay(self._next_seq, 2**62) or []
         for seq, payload in replayed:
             self._apply(seq, payload)
         self.stats.caught_up += len(replayed)
         return len(replayed)
 
-    def poll(self, timeout_ms: int = 0) -> int:
-        """Apply every batch that arrives within `timeout_ms`; returns how many were applied."""
+    async def poll(self, timeout_s: float = 0.0) -> int:
+        """Apply every batch that arrives within `timeout_s`; returns how many were applied."""
         applied = 0
-        while self._socket.poll(timeout_ms if applied == 0 else 0, zmq.POLLIN):
-            _topic, seq_frame, payload = self._socket.recv_multipart()
-            applied += self._receive(decode_seq(seq_frame), payload)
+        while await self._socket.poll(int(1000 * timeout_s) if applied == 0 else 0, zmq.POLLIN):
+            _topic, seq_frame, payload = await self._socket.recv_multipart()
+            applied += await self._receive(decode_seq(seq_frame), payload)
         return applied
 
-    def _receive(self, seq: int, payload: bytes) -> int:
+    async def _receive(self, seq: int, payload: bytes) -> int:
         if seq < self._next_seq:
             self.stats.duplicates += 1
             return 0
         applied = 0
         if seq > self._next_seq:
-            applied = self._recover(self._next_seq, seq)
+            applied = await self._recover(self._next_seq, seq)
         self._apply(seq, payload)
         return applied + 1
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        batch = decode_batch(payload)
-        with self._guard:
-            self._index.apply(self.replica, batch)
         self._next_seq = seq + 1
+        try:
+            batch = decode_batch(payload)
+        except ValueError as exc:  # msgspec's DecodeError: skip it, keep the order
+            self.stats.malformed += 1
+            logger.warning("replica %s: skipped KV event batch %d: %s", self.replica, seq, exc)
+            return
+        self._index.apply(self.replica, batch)
         self.stats.batches += 1
         self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
 
-    def _recover(self, start: int, stop: int) -> int:
+    async def _recover(self, start: int, stop: int) -> int:
         """Apply batches [start, stop) from the replay endpoint, or clear the replica."""
-        replayed = self._replay(start, stop)
+        replayed = await self._replay(start, stop)
         if replayed is None or (replayed and replayed[0][0] != start) or (
                 not replayed and start < stop):
-            with self._guard:
-                self._index.clear(self.replica)
+            self._index.clear(self.replica)
             self.stats.gaps_cleared += 1
             return 0
         for seq, payload in replayed:
@@ -115,17 +132,18 @@ class ReplicaEventStream:
         self.stats.gaps_recovered += 1
         return len(replayed)
 
-    def _replay(self, start: int, stop: int) -> list[tuple[int, bytes]] | None:
+    async def _replay(self, start: int, stop: int) -> list[tuple[int, bytes]] | None:
         if self.replay_endpoint is None:
             return None
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        timeout_ms = int(1000 * self._replay_timeout_s)
         try:
             socket.connect(self.replay_endpoint)
-            socket.send_multipart((b"", start.to_bytes(8, "big")))
+            await socket.send_multipart((b"", start.to_bytes(8, "big")))
             batches = []
-            while socket.poll(self._replay_timeout_ms, zmq.POLLIN):
-                _empty, _topic, seq_frame, payload = socket.recv_multipart()
+            while await socket.poll(timeout_ms, zmq.POLLIN):
+                _empty, _topic, seq_frame, payload = await socket.recv_multipart()
                 if seq_frame == END_SEQ:
                     return batches
                 seq = decode_seq(seq_frame)

@@ -50,3 +50,23 @@ class RoundRobinPicker:
         ordered = sorted(candidates, key=lambda c: c.replica)
         start = next(self._turn) % len(ordered)
         return ordered[start:] + ordered[:start]
+
+
+class PowerOfTwoPicker:
+    """Two candidates drawn at random, the better scored first (ties: the first drawn), then the
+    rest in random order: the power of two choices, as Ray Serve's default router does it.
+
+    Example: scores [1.0, 0.0, 0.5], the draw is (1, 2) -> candidates 2, 1, then 0.
+    """
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def rank(self, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
+        order = list(range(len(candidates)))
+        self._rng.shuffle(order)
+        if len(order) >= 2 and scores[order[1]] > scores[order[0]]:
+            order[0], order[1] = order[1], order[0]
+        return [candidates[i] for i in order]

@@ -1,7 +1,6 @@
 """Named routing policies: filters, then weighted scorers, then a picker.
 
-A policy ranks candidates; it never blocks and never talks to another process. `least_loaded` is
-not here: it is Ray Serve's own power-of-two-choices router, used as is (see router/serve_router).
+A policy ranks candidates; it never blocks and never talks to another process.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.pickers import MaxScorePicker, RoundRobinPicker
+from router.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker
 from router.plugins import Candidate, Filter, Picker, RouteRequest
 from router.scorers import SCORERS, OverloadFilter
 
@@ -20,8 +19,11 @@ DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
     "kv_aware": {"ttft": 1.0, "approx_prefix": 1.0},
     "prefix_approx": {"approx_prefix": 1.0, "queue": 0.5},
     "round_robin": {},
+    "least_loaded": {"queue": 1.0},
 }
-POLICIES = (*DEFAULT_WEIGHTS, "least_loaded")
+POLICIES = tuple(DEFAULT_WEIGHTS)
+_PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft"})  # read the prompt's blocks
+_MAP_SCORERS = frozenset({"prefix", "ttft"})  # read the block map fed by the engines' events
 
 
 @dataclass
@@ -45,6 +47,16 @@ class Policy:
         args = scorer_args or {}
         self._scorers = {scorer: SCORERS[scorer](**args.get(scorer, {})) for scorer in self.weights}
 
+    @property
+    def uses_prefixes(self) -> bool:
+        """Whether ranking reads the request's block hashes (else no prompt is hashed)."""
+        return bool(_PREFIX_SCORERS & set(self.weights))
+
+    @property
+    def reads_block_map(self) -> bool:
+        """Whether ranking reads the KV block map (else no engine events are followed)."""
+        return bool(_MAP_SCORERS & set(self.weights))
+
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Scored:
         kept = list(candidates)
         for step in self.filters:
@@ -67,5 +79,7 @@ def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(DEFAULT_WEIGHTS)}")
     if name == "round_robin":
         return Policy(name, [], {}, RoundRobinPicker())
+    if name == "least_loaded":  # Ray Serve's default router: power of two choices on queue length
+        return Policy(name, [], DEFAULT_WEIGHTS[name], PowerOfTwoPicker(rng))
     chosen = dict(weights) if weights else DEFAULT_WEIGHTS[name]
     return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng))

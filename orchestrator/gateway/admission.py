@@ -9,19 +9,17 @@ output length, the tenant's `max_output_tokens`. `finish` gives back what the re
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.api_errors import GatewayError
+from channel.frames import Usage
+from orchestrator.gateway.errors import GatewayError
+from orchestrator.gateway.fair_queue import FairQueue
+from orchestrator.gateway.limits import Charge, TenantLimiter
+from orchestrator.gateway.metrics import REJECTION_REASONS, UNKNOWN_TENANT, GatewayMetrics
+from orchestrator.gateway.tenancy import Tenants
 from orchestrator.config import TenantSpec, Topology
-from orchestrator.fair_queue import FairQueue
-from orchestrator.gateway_metrics import REJECTION_REASONS, UNKNOWN_TENANT, GatewayMetrics
-from orchestrator.limits import Charge, TenantLimiter
-from orchestrator.tenancy import Tenants
-from orchestrator.usage import Usage
-from pools.tokenizer import PromptTokenCounter
 
 DEFAULT_OUTPUT_ESTIMATE = 256  # tokens charged up front when a request sets no max_tokens
 _OUTPUT_FIELDS = {"completions": "max_tokens", "chat": "max_completion_tokens"}
@@ -34,7 +32,6 @@ class Ticket:
     tenant: TenantSpec
     charge: Charge
     cost: float
-    prompt_tokens: list[int] | None
     queued_s: float
     settled: bool = False
 
@@ -49,7 +46,8 @@ def requested_output(endpoint: str, body: dict[str, Any]) -> int | None:
 
 
 class Admission:
-    """One per ingress replica; runs on its event loop (tokenising goes to a thread)."""
+    """One per ingress replica; runs on its event loop. The caller counts the prompt's tokens
+    (off the loop) when `needs_tokens` says the tenants' limits read them."""
 
     def __init__(self, topology: Topology, metrics: GatewayMetrics, tenants: Tenants) -> None:
         self.tenants, self.metrics = tenants, metrics
@@ -60,8 +58,7 @@ class Admission:
                           for name in tenants.names}
         spec = topology.admission
         self.queue = FairQueue(spec.max_in_flight, spec.max_queued_per_tenant, spec.queue_timeout_s)
-        self._counter = PromptTokenCounter(topology.model.resolved_path)
-        self._count_tokens = spec.max_in_flight is not None or any(
+        self.needs_tokens = spec.max_in_flight is not None or any(
             t.limits.tokens_per_minute or t.limits.max_prompt_tokens for t in topology.tenants)
 
     def authenticate(self, authorization: str | None) -> TenantSpec:
@@ -71,23 +68,31 @@ class Admission:
             self.metrics.rejections.labels(UNKNOWN_TENANT, "invalid_api_key").inc()
             raise exc from None
 
-    async def admit(self, tenant: TenantSpec, endpoint: str,
-                    body: dict[str, Any]) -> tuple[Ticket, dict[str, Any]]:
-        """Admit the request or raise the GatewayError that refuses it."""
+    def shape(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The body as the pools get it: the tenant's cache salt, its default output length.
+        Raises 403 if the tenant may not use the model."""
         try:
-            return await self._admit(tenant, endpoint, body)
+            self.tenants.authorize(tenant, body["model"])
         except GatewayError as exc:
-            if exc.code in REJECTION_REASONS:
-                self.metrics.rejections.labels(tenant.name, exc.code).inc()
+            self._count_rejection(tenant, exc)
+            raise
+        return self._shaped(tenant, endpoint, body)
+
+    async def admit(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any],
+                    tokens: list[int] | None) -> Ticket:
+        """Admit the (shaped) request or raise the GatewayError that refuses it."""
+        try:
+            return await self._admit(tenant, endpoint, body, tokens)
+        except GatewayError as exc:
+            self._count_rejection(tenant, exc)
             raise
 
-    async def _admit(self, tenant: TenantSpec, endpoint: str,
-                     body: dict[str, Any]) -> tuple[Ticket, dict[str, Any]]:
-        self.tenants.authorize(tenant, body["model"])
-        body = self._shaped(tenant, endpoint, body)
-        tokens = None
-        if self._count_tokens:
-            tokens = await asyncio.to_thread(self._tokens, endpoint, body)
+    def _count_rejection(self, tenant: TenantSpec, exc: GatewayError) -> None:
+        if exc.code in REJECTION_REASONS:
+            self.metrics.rejections.labels(tenant.name, exc.code).inc()
+
+    async def _admit(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any],
+                     tokens: list[int] | None) -> Ticket:
         limiter = self._limiters[tenant.name]
         output = requested_output(endpoint, body)
         limiter.check_sizes(len(tokens) if tokens is not None else None, output)
@@ -105,7 +110,7 @@ class Admission:
             self.metrics.queued.labels(tenant.name).dec()
         self.metrics.queue.labels(tenant.name).observe(waited)
         self.metrics.in_flight.labels(tenant.name).inc()
-        return Ticket(tenant, charge, cost, tokens, waited), body
+        return Ticket(tenant, charge, cost, waited)
 
     def finish(self, ticket: Ticket, usage: Usage | None) -> None:
         """The request ended (answered, failed or abandoned); idempotent."""
@@ -132,9 +137,3 @@ class Admission:
         if limit is not None and requested_output(endpoint, body) is None:
             body = body | {_OUTPUT_FIELDS[endpoint]: limit}
         return body
-
-    def _tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        try:
-            return self._counter.tokens(endpoint, body)
-        except Exception:  # unreadable prompt: the engine answers the error itself
-            return None

@@ -1,29 +1,36 @@
-"""Wires the router into one gateway process: a routing service per routed pool, fed by the
-replica registry, registered for Ray Serve's request-router hook, and the per-request plumbing
-(route key before the call, first token and end after it).
+"""Where a request goes: this ingress process's view of the pools' replicas and, per pool, the
+routing service that ranks them and the channel links that carry requests to them.
+
+The replica registry is read once a second by one task (`ReplicaDirectory`); each pool's
+`PoolDispatcher` keeps a link to every ready replica, asks the pool's routing service for an
+order, opens the request on the first replica that takes it, and holds the request while none
+can (all full, draining, or none yet), telling the pool's replicas how many it holds so that the
+autoscaler sees them. A pool with no replica at all is woken through Serve (see `PoolReplica.wake`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
 
 import ray
-from prometheus_client import CollectorRegistry
 
-from orchestrator.config import Topology, pool_deployment_name, routing_policy
+from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
+from channel.frames import Head, Refused, Request
+from orchestrator.gateway.errors import GatewayError
 from pools.registry import ReplicaReport, get_registry
-from pools.tokenizer import PromptTokenCounter
-from router import local_services
 from router.index import ReplicaId
-from router.metrics import RouterMetrics
-from router.policies import DEFAULT_WEIGHTS, build_policy
-from router.service import ReplicaSource, RoutingService
+from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey
 
-REGISTRY_TIMEOUT_S = 5.0
+logger = logging.getLogger("ray.serve").getChild("tokenfab.dispatch")
+
+REFRESH_S = 1.0  # the registry is read this often
+HOLD_RECHECK_S = 0.5  # a held request looks again at least this often
+RECONNECT_S = 1.0  # a lost link to a replica still reported ready is retried after this
+HELD_REPORT_DELAY_S = 0.05  # changes of the held count are told to replicas at most this often
 
 
 def view_of(report: ReplicaReport) -> ReplicaView:
@@ -38,108 +45,207 @@ def view_of(report: ReplicaReport) -> ReplicaView:
     )
 
 
-def registry_source(app: str) -> ReplicaSource:
-    """Blocking read of the replica registry; the routing service calls it on its own thread."""
+class ReplicaDirectory:
+    """The application's replica registry as this process last read it. One task reads it;
+    listeners (one per pool) get the reports of their pool after every read."""
 
-    def source() -> list[ReplicaView]:
-        reports = ray.get(get_registry(app).snapshot.remote(), timeout=REGISTRY_TIMEOUT_S)
-        return [view_of(report) for report in reports]
+    def __init__(self, app: str, refresh_s: float = REFRESH_S) -> None:
+        self._app, self._refresh_s = app, refresh_s
+        self._registry: ray.actor.ActorHandle | None = None
+        self._listeners: dict[str, Callable[[list[ReplicaReport]], None]] = {}
+        self._poked: asyncio.Event | None = None
 
-    return source
+    def listen(self, pool: str, listener: Callable[[list[ReplicaReport]], None]) -> None:
+        self._listeners[pool] = listener
 
-
-def _hasher_factory(hash_algo: str):
-    def factory(block_size: int):
-        from pools.block_hasher import VllmBlockHasher
-
-        return VllmBlockHasher(block_size, hash_algo)
-
-    return factory
-
-
-class PoolRouters:
-    """The routing services of this gateway process, one per pool routed by a tokenfab policy."""
-
-    def __init__(self, topology: Topology, serve_app: str, registry: CollectorRegistry) -> None:
-        self._serve_app, self._counter = serve_app, None
-        self.services: dict[str, RoutingService] = {}
-        spec = topology.router
-        hash_algo = str(topology.engine_args.get("prefix_caching_hash_algo", "sha256"))
-        metrics = None
-        for pool in topology.pools:
-            policy = routing_policy(topology, pool)
-            if policy not in DEFAULT_WEIGHTS:
-                continue  # routed by Ray Serve's own or a baseline router
-            metrics = metrics or RouterMetrics(registry)
-            service = RoutingService(
-                pool.name,
-                build_policy(policy, spec.weights, max_in_flight=spec.max_in_flight,
-                             tolerance=spec.tie_tolerance),
-                registry_source(topology.name), _hasher_factory(hash_algo), metrics,
-                max_index_entries=spec.max_index_entries, history_ttl_s=spec.history_ttl_s,
-                prior_tokens_per_s=spec.prefill_tokens_per_s,
-                in_flight_cost_tokens=spec.in_flight_cost_tokens)
-            service.start()
-            local_services.register(serve_app, pool_deployment_name(pool.name), service)
-            self.services[pool.name] = service
-        if self.services:
-            self._counter = PromptTokenCounter(topology.model.resolved_path)
-
-    async def key(self, pool: str, endpoint: str, body: dict[str, Any],
-                  tokens: list[int] | None = None) -> RouteKey | None:
-        """The request's route key for `pool` (tokenised here unless `tokens` are given)."""
-        service = self.services.get(pool)
-        if service is None or not service.block_size():
-            return None
-        return await asyncio.to_thread(self._key, service, endpoint, body, tokens)
-
-    def _key(self, service: RoutingService, endpoint: str, body: dict[str, Any],
-             tokens: list[int] | None) -> RouteKey | None:
-        if tokens is None:
-            try:
-                tokens = self._counter.tokens(endpoint, body)
-            except Exception:  # unreadable prompt: the engine will answer the error itself
-                return None
-        if tokens is None:
-            return None
-        salt = body.get("cache_salt")
-        return service.route_key(uuid.uuid4().hex, tokens, salt if isinstance(salt, str) else None)
-
-    def first_token(self, pool: str, key: RouteKey | None) -> None:
-        if key is not None and pool in self.services:
-            self.services[pool].first_token(key.request_id)
-
-    def finished(self, pool: str, key: RouteKey | None) -> None:
-        if key is not None and pool in self.services:
-            self.services[pool].finished(key.request_id)
-
-    async def tracked(self, pool: str, key: RouteKey | None,
-                      replies: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Pass a reply stream through, telling the router when the first token came back (the
-        first event of a streamed reply) and when the request ended."""
+    async def snapshot(self, timeout_s: float = 2.0) -> list[ReplicaReport]:
+        """Every replica's latest report, read now (raises if the registry does not answer)."""
+        if self._registry is None:  # a named-actor lookup blocks: never on the loop
+            self._registry = await asyncio.to_thread(get_registry, self._app)
         try:
-            streaming, seen = False, 0
-            async for item in replies:
-                seen += 1
-                if seen == 1:
-                    streaming = bool(getattr(item, "streaming", False))
-                elif seen == 2 and streaming:
-                    self.first_token(pool, key)
-                yield item
-        finally:
-            self.finished(pool, key)
-            cancel = getattr(replies, "cancel", None)
-            if cancel is not None:
-                cancel()
-            else:
-                await replies.aclose()
+            return await asyncio.wait_for(self._registry.snapshot.remote(), timeout_s)
+        except ray.exceptions.RayError:
+            self._registry = None  # its owner went away: look it up (or create it) again
+            raise
 
-    def status(self) -> dict[str, Any]:
-        return {pool: {"policy": s.policy.name, "block_size": s.block_size(),
-                       "index_entries": s.index_entries(), "replicas": s.replicas()}
-                for pool, s in self.services.items()}
+    async def scaling(self, timeout_s: float = 2.0) -> list:
+        await self.snapshot(timeout_s)  # resolves the registry handle
+        return await asyncio.wait_for(self._registry.scaling.remote(), timeout_s)
+
+    def poke(self) -> None:
+        """Read the registry again now (a request found no replica that could take it)."""
+        if self._poked is not None:
+            self._poked.set()
+
+    async def run(self) -> None:
+        self._poked = asyncio.Event()
+        while True:
+            try:
+                reports = await self.snapshot()
+            except Exception as exc:  # noqa: BLE001 - keep routing on what we know
+                logger.warning("replica registry unavailable: %r", exc)
+            else:
+                for pool, listener in self._listeners.items():
+                    listener([r for r in reports if r.pool == pool])
+            self._poked.clear()
+            try:
+                await asyncio.wait_for(self._poked.wait(), self._refresh_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+class PoolDispatcher:
+    """Places the requests of one pool. Runs on the ingress process's event loop."""
+
+    def __init__(self, pool: str, service: RoutingService, max_ongoing_requests: int,
+                 secret: bytes, gateway: str, wake: Callable[[], Awaitable[None]],
+                 directory: ReplicaDirectory) -> None:
+        self.pool, self.service = pool, service
+        self._max_ongoing, self._secret, self._gateway = max_ongoing_requests, secret, gateway
+        self._wake, self._directory = wake, directory
+        self._links: dict[ReplicaId, ReplicaLink] = {}
+        self._changed: asyncio.Future | None = None
+        self._held = 0
+        self._held_report: asyncio.TimerHandle | None = None
+        self._waking: asyncio.Task | None = None
+        directory.listen(pool, self.update)
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def ready_replicas(self) -> int:
+        return sum(link.state == "ready" for link in self._links.values())
+
+    # -- replicas -----------------------------------------------------------------------------
+
+    def update(self, reports: Sequence[ReplicaReport]) -> None:
+        """The pool's replicas as the registry reports them now."""
+        ready = {ReplicaId(r.replica_id): r for r in reports if r.state == "ready" and r.channel}
+        for replica in [r for r in self._links if r not in ready]:
+            self._links.pop(replica).close()
+        for replica, report in ready.items():
+            link = self._links.get(replica)
+            if link is None or (link.state == "closed" and link.closed_for_s() > RECONNECT_S):
+                self._connect(replica, report.channel)
+        self.service.set_replicas([view_of(r) for r in reports if r.state == "ready"])
+        self._notify()
+
+    def _connect(self, replica: ReplicaId, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        link = ReplicaLink(replica, host, int(port), self._secret, self._gateway)
+        link.on_state = lambda _link: self._notify()
+        self._links[replica] = link
+
+        async def connect() -> None:
+            try:
+                await link.connect()
+            except LinkLost as exc:
+                logger.warning("pool %s: %s", self.pool, exc)
+            else:
+                if self._held:
+                    link.send_held(self._held)
+            self._notify()
+
+        asyncio.get_running_loop().create_task(connect(), name=f"link-{replica}")
+
+    def _available(self, skip: set[ReplicaId]) -> list[ReplicaId]:
+        return [replica for replica, link in self._links.items()
+                if link.state == "ready" and replica not in skip
+                and self.service.in_flight(replica) < self._max_ongoing]
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def open(self, request: Request, key: RouteKey, deadline: float
+                   ) -> tuple[ReplyStream, Head]:
+        """Open the request on the best replica that takes it; its head once it came. Waits
+        while no replica can take it; GatewayError 503/504 when the deadline passes first."""
+        skip: set[ReplicaId] = set()
+        while True:
+            for replica in self.service.rank(key, self._available(skip)):
+                link = self._links[replica]
+                try:
+                    stream = link.open(request)
+                except LinkLost:
+                    skip.add(replica)
+                    continue
+                head = await _head(stream, deadline)
+                if isinstance(head, Head):
+                    self.service.dispatched(key, replica)
+                    return stream, head
+                skip.add(replica)  # refused (full or draining) or gone before answering
+            self.service.finished(key.request_id)  # counted on a replica that did not take it
+            if not await self._hold(deadline):
+                raise GatewayError(503, f"no replica of pool {self.pool} could take the request "
+                                        f"within the request deadline; retry")
+            skip.clear()
+
+    def finished(self, key: RouteKey) -> None:
+        """The request ended (however): its replica has room again."""
+        self.service.finished(key.request_id)
+        if self._held:
+            self._notify()
+
+    async def _hold(self, deadline: float) -> bool:
+        """Wait for a change (a request ended, a replica came or went); False at the deadline."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        if not self._links:
+            self._directory.poke()
+            if self._waking is None or self._waking.done():
+                self._waking = asyncio.get_running_loop().create_task(self._wake_pool())
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        self._held += 1
+        self._report_held()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._changed), min(remaining, HOLD_RECHECK_S))
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._held -= 1
+            self._report_held()
+        return True
+
+    async def _wake_pool(self) -> None:
+        try:
+            await self._wake()
+        except Exception as exc:  # noqa: BLE001 - a failed wake-up is retried by the next hold
+            logger.warning("could not wake pool %s: %r", self.pool, exc)
+
+    def _notify(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+
+    def _report_held(self) -> None:
+        if self._held_report is None:
+            self._held_report = asyncio.get_running_loop().call_later(
+                HELD_REPORT_DELAY_S, self._send_held)
+
+    def _send_held(self) -> None:
+        self._held_report = None
+        for link in self._links.values():
+            link.send_held(self._held)
 
     def close(self) -> None:
-        for pool, service in self.services.items():
-            local_services.unregister(self._serve_app, pool_deployment_name(pool))
-            service.stop()
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+        self.service.stop()
+
+
+async def _head(stream: ReplyStream, deadline: float) -> Head | Refused | None:
+    """The stream's head; None if the replica went away before answering (try another)."""
+    try:
+        return await asyncio.wait_for(stream.head, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError as exc:
+        stream.cancel()
+        raise GatewayError(504, "no reply from the engine within the request deadline") from exc
+    except LinkLost:
+        return None
+    except ReplyFailed as exc:
+        raise GatewayError(503, f"engine replica failed: {exc}; retry") from exc
+    except BaseException:
+        stream.cancel()
+        raise

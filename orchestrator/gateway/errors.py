@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import msgspec
 
+from orchestrator.gateway.http import Responder
 from pools.engine import openai_error
 
 
@@ -16,15 +17,27 @@ class GatewayError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after_s = retry_after_s
 
-    def response(self) -> JSONResponse:
-        response = error_response(self.status, self.message, self.param, self.code)
-        if self.retry_after_s is not None:  # whole seconds, rounded up, at least 1
-            response.headers["retry-after"] = str(max(1, -int(-self.retry_after_s // 1)))
-        return response
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(max(1, -int(-self.retry_after_s // 1)))}  # whole seconds, up
+
+    def send(self, responder: Responder, headers: dict[str, str] | None = None) -> None:
+        send_error(responder, self.status, self.message, self.param, self.code,
+                   (headers or {}) | self.headers())
+
+    def sse(self) -> bytes:
+        """The error as one server-sent event, for a stream whose headers are already sent."""
+        return b"data: " + error_body(self.status, self.message, self.param, self.code) + b"\n\n"
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> bytes:
     if code is None and status == 404 and param == "model":
         code = "model_not_found"
-    return JSONResponse(openai_error(status, message, param, code), status_code=status)
+    return msgspec.json.encode(openai_error(status, message, param, code))
+
+
+def send_error(responder: Responder, status: int, message: str, param: str | None = None,
+               code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    responder.send(status, error_body(status, message, param, code), headers)

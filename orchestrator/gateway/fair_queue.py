@@ -29,7 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from orchestrator.api_errors import GatewayError
+from orchestrator.gateway.errors import GatewayError
 from orchestrator.config import PriorityClass
 
 _CLASS_ORDER: dict[PriorityClass, int] = {"high": 0, "normal": 1, "low": 2}

@@ -1,84 +1,129 @@
-"""Prefill/decode disaggregation for one request: prefill on one pool with `max_tokens=1`, then
-decode on the other, which pulls the prompt's KV cache over NIXL and streams the answer.
+"""One flow per topology shape, behind one interface: where an admitted request goes and how its
+reply comes back.
 
-Every failure of the prefill leg (replica gone, deadline passed, no KV parameters) falls back to
-decode computing the prompt itself; the client gets the same answer, a little later.
+- `UnifiedFlow`: one pool; the router picks the replica, the reply is relayed.
+- `DisaggregatedFlow`: prefill on one pool with `max_tokens=1`, then decode on the other, which
+  pulls the prompt's KV cache over NIXL and streams the answer. Every failure of the prefill leg
+  (replica gone, deadline passed, no KV parameters) falls back to decode computing the prompt
+  itself: the client gets the same answer, a little later.
+
+A flow never touches the admission ticket: the route that admitted the request settles it with
+the usage the flow returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import msgspec
-import ray
-from ray.serve.exceptions import RayServeException
-from ray.serve.handle import DeploymentHandle
 
+from channel.client import LinkLost, ReplyFailed, ReplyStream
+from channel.frames import Request, Usage
+from orchestrator.gateway.dispatch import PoolDispatcher
+from orchestrator.gateway.errors import GatewayError
+from orchestrator.gateway.relay import Call, relay
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.params import decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
-from pools.engine import Endpoint, ReplyHead
-from pools.tokenizer import PromptTokenCounter
 from router.recent_prefixes import RecentPrefixes
+from router.wire import RouteKey
 
-if TYPE_CHECKING:
-    from orchestrator.routing import PoolRouters
-
-_LEG_ERRORS = (ray.exceptions.RayError, RayServeException, StopAsyncIteration)
+_encode = msgspec.json.encode
 
 
-class PDFlow:
-    """Runs requests through a prefill pool and a decode pool (one handle per pool)."""
+class Flow(Protocol):
+    """Serves admitted requests. `keys` is CPU work (hashing) that the caller runs off the event
+    loop, once per request, before `serve`."""
 
-    def __init__(self, prefill: list[tuple[str, DeploymentHandle]], decode: list[DeploymentHandle],
-                 spec: DisaggregationSpec, counter: PromptTokenCounter,
-                 metrics: TransferMetrics, routers: PoolRouters | None = None) -> None:
-        self._prefill, self._decode = itertools.cycle(prefill), itertools.cycle(decode)
-        self._spec, self._counter, self.metrics = spec, counter, metrics
-        self._routers = routers
+    pools: Mapping[str, PoolDispatcher]
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether `keys` and `serve` read the prompt's token ids."""
+
+    def keys(self, request_id: str, tokens: list[int] | None,
+             salt: str | None) -> dict[str, RouteKey]: ...
+
+    async def serve(self, call: Call, keys: dict[str, RouteKey]) -> Usage | None:
+        """Answer the call (or raise GatewayError before any byte of an answer was sent); the
+        reply's usage, or None when it is unknown (then the admission keeps what it charged)."""
+
+
+def _keys(pools: Mapping[str, PoolDispatcher], request_id: str, tokens: list[int] | None,
+          salt: str | None) -> dict[str, RouteKey]:
+    return {name: pool.service.route_key(request_id, tokens, salt) for name, pool in pools.items()}
+
+
+async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, Any]
+               ) -> Usage | None:
+    stream, head = await pool.open(Request(call.endpoint, _encode(body)), key, call.deadline)
+    try:
+        return await relay(call, stream, head, lambda: pool.service.first_token(key.request_id))
+    finally:
+        pool.finished(key)
+
+
+class UnifiedFlow:
+    def __init__(self, pool: PoolDispatcher) -> None:
+        self._pool = pool
+        self.pools = {pool.pool: pool}
+
+    @property
+    def needs_tokens(self) -> bool:
+        return self._pool.service.policy.uses_prefixes
+
+    def keys(self, request_id: str, tokens: list[int] | None,
+             salt: str | None) -> dict[str, RouteKey]:
+        return _keys(self.pools, request_id, tokens, salt)
+
+    async def serve(self, call: Call, keys: dict[str, RouteKey]) -> Usage | None:
+        return await _leg(self._pool, call, keys[self._pool.pool], call.body)
+
+
+class DisaggregatedFlow:
+    """A prefill pool and a decode pool (the first of each in the topology)."""
+
+    def __init__(self, prefill: PoolDispatcher, decode: PoolDispatcher, spec: DisaggregationSpec,
+                 metrics: TransferMetrics) -> None:
+        self._prefill, self._decode, self._spec, self.metrics = prefill, decode, spec, metrics
+        self.pools = {prefill.pool: prefill, decode.pool: decode}
         self._on_decode = RecentPrefixes(ttl_s=spec.decode_cache_ttl_s)
 
-    async def reply(self, endpoint: Endpoint, body: dict[str, Any]) -> AsyncIterator[ReplyHead | bytes]:
-        """Same stream shape as a pool replica's reply (see pools.engine.ReplyHead)."""
+    @property
+    def needs_tokens(self) -> bool:
+        return True
+
+    def keys(self, request_id: str, tokens: list[int] | None,
+             salt: str | None) -> dict[str, RouteKey]:
+        return _keys(self.pools, request_id, tokens, salt)
+
+    async def serve(self, call: Call, keys: dict[str, RouteKey]) -> Usage | None:
         params = None
-        tokens = await self._tokens(endpoint, body)
-        if self._worth_disaggregating(tokens):
-            outcome = await self._prefill_leg(endpoint, body, tokens)
-            if isinstance(outcome, list):  # the request itself is invalid: answer as decode would
-                for item in outcome:
-                    yield item
-                return
-            params = outcome
+        if self._worth_disaggregating(call):
+            params = await self._prefill_leg(call, keys[self._prefill.pool])
+            if isinstance(params, Usage):  # the request itself is invalid: answered as is
+                return params
         self.metrics.path("disaggregated" if params else "decode_only")
-        if tokens:
-            self._on_decode.record(tokens)  # decode will hold these blocks, pulled or computed
-        decode = next(self._decode).options(stream=True).reply.remote(endpoint, decode_body(body, params))
-        try:
-            async for item in decode:
-                yield item
-        finally:
-            decode.cancel()  # client gone: abort on the decode engine too
+        if call.tokens:
+            self._on_decode.record(call.tokens)  # decode will hold these blocks
+        return await _leg(self._decode, call, keys[self._decode.pool],
+                          decode_body(call.body, params))
 
-    async def _tokens(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int] | None:
-        if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
-            self.metrics.skipped("multiple_choices")
-            return None
-        tokens = await asyncio.to_thread(self._counter.tokens, endpoint, body)
-        if tokens is None:
-            self.metrics.skipped("unknown_prompt")
-        return tokens
-
-    def _worth_disaggregating(self, tokens: list[int] | None) -> bool:
+    def _worth_disaggregating(self, call: Call) -> bool:
         """Only when decode would otherwise compute at least `min_prompt_tokens` itself.
 
         Example (min 256): a 2,000-token prompt whose first 1,920 tokens decode was recently sent
         leaves 80 to compute: decode does that faster than a prefill leg plus a transfer.
         """
+        body, tokens = call.body, call.tokens
+        if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
+            self.metrics.skipped("multiple_choices")
+            return False
         if tokens is None:
+            self.metrics.skipped("unknown_prompt")
             return False
         if len(tokens) < self._spec.min_prompt_tokens:
             self.metrics.skipped("short_prompt")
@@ -88,40 +133,44 @@ class PDFlow:
             return False
         return True
 
-    async def _prefill_leg(self, endpoint: Endpoint, body: dict[str, Any],
-                           tokens: list[int]) -> Any:
-        """KV transfer params, a client-error reply to pass on as is, or None to recompute."""
+    async def _prefill_leg(self, call: Call, key: RouteKey) -> dict[str, Any] | Usage | None:
+        """KV transfer params; or, for a request the engine refused as invalid, the usage of
+        that error answer, already sent; or None: decode recomputes."""
         started = time.monotonic()
-        pool, handle = next(self._prefill)
-        key = await self._routers.key(pool, endpoint, body, tokens) if self._routers else None
-        leg = handle.options(stream=True).reply.remote(endpoint, prefill_body(body), route=key)
+        pool = self._prefill
+        deadline = min(call.deadline, started + self._spec.prefill_timeout_s)
+        request = Request(call.endpoint, _encode(prefill_body(call.body)))
         try:
-            head, payload = await asyncio.wait_for(_two_items(leg), self._spec.prefill_timeout_s)
-            if self._routers is not None and head.status == 200:
-                self._routers.first_token(pool, key)  # its one token marks the prefill's end
-        except asyncio.TimeoutError:
-            self.metrics.fallback("prefill_timeout")
+            stream, head = await pool.open(request, key, deadline)
+            try:
+                if head.status == 200:  # its one token marks the prefill's end
+                    pool.service.first_token(key.request_id)
+                await _whole(stream, deadline)
+            finally:
+                pool.finished(key)
+        except GatewayError as exc:
+            self.metrics.fallback("prefill_timeout" if exc.status == 504 else "prefill_failed")
             return None
-        except _LEG_ERRORS:
-            self.metrics.fallback("prefill_failed")
-            return None
-        finally:
-            leg.cancel()
-            if self._routers is not None:
-                self._routers.finished(pool, key)
         self.metrics.prefill_latency(time.monotonic() - started)
         if 400 <= head.status < 500:
-            return [head, payload]
+            call.responder.send(head.status, stream.body(), call.headers(head.replica_id))
+            return Usage()
         if head.status != 200:
             self.metrics.fallback("prefill_error")
             return None
-        params = msgspec.json.decode(payload).get("kv_transfer_params")
+        params = msgspec.json.decode(stream.body()).get("kv_transfer_params")
         if not is_transferable(params):
             self.metrics.fallback("no_kv_params")
             return None
         return params
 
 
-async def _two_items(stream: Any) -> tuple[ReplyHead, bytes]:
-    head = await stream.__anext__()
-    return head, await stream.__anext__()
+async def _whole(stream: ReplyStream, deadline: float) -> None:
+    """Wait for the end of a whole reply (its head came), within the deadline."""
+    try:
+        await asyncio.wait_for(stream.end, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError as exc:
+        stream.cancel()
+        raise GatewayError(504, "prefill leg timed out") from exc
+    except (LinkLost, ReplyFailed) as exc:
+        raise GatewayError(503, f"prefill leg failed: {exc}") from exc

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orchestrator.api_errors import GatewayError
+from orchestrator.gateway.errors import GatewayError
 from orchestrator.config import TenantLimits
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.api_errors import GatewayError
+from orchestrator.gateway.errors import GatewayError
 from orchestrator.config import TenantSpec, Topology
 
 DEFAULT_TENANT = "default"

@@ -244,6 +244,39 @@ def test_serve_policy_counts_requests_held_at_handles_as_waiting() -> None:
     assert desired == 4 and state["reason"].startswith("burst: 10.0 waiting")  # 1 + ceil(10/4)
 
 
+def test_serve_policy_counts_requests_the_gateways_hold_as_waiting() -> None:
+    """Gateways hold 10 requests because both replicas are full; each replica heard it from the
+    gateways (not summed across replicas), and Serve's handles hold none."""
+    from types import SimpleNamespace
+
+    from autoscaler.serve_policy import PoolPolicy
+
+    policy = PoolPolicy(app="a", pool="main", role="unified", min_replicas=1, max_replicas=8,
+                        target_ongoing=4, max_waiting_per_replica=2)
+    ctx = SimpleNamespace(policy_state={}, current_time=0.0, current_num_replicas=2,
+                          target_num_replicas=2, total_num_requests=0, total_queued_requests=0,
+                          aggregated_metrics={"running": {"r1": 2.0, "r2": 2.0},
+                                              "held": {"r1": 10.0, "r2": 9.5}})
+    desired, state = policy(ctx)
+    assert desired == 5 and state["reason"].startswith("burst: 10.0 waiting")  # 2 + ceil(10/4)
+
+
+def test_ray_requests_policy_is_serves_formula_on_tokenfabs_counts() -> None:
+    """The docstring's example: 7 and 5 in flight, 3 held, target 2 -> 7.5 (Serve rounds)."""
+    from types import SimpleNamespace
+
+    from autoscaler.serve_policy import ray_requests_policy
+
+    config = SimpleNamespace(get_target_ongoing_requests=lambda: 2)
+    ctx = SimpleNamespace(current_num_replicas=2, target_num_replicas=2, config=config,
+                          total_num_requests=0, total_queued_requests=0,
+                          aggregated_metrics={"in_flight": {"r1": 7.0, "r2": 5.0},
+                                              "held": {"r1": 3.0, "r2": 3.0}})
+    assert ray_requests_policy(ctx) == (7.5, {})
+    assert ray_requests_policy(SimpleNamespace(current_num_replicas=0, target_num_replicas=1)) \
+        == (1, {})
+
+
 def test_prefill_and_decode_pools_scale_independently() -> None:
     """One P/D deployment, each pool with its own policy instance: a prompt-heavy moment (slow
     first tokens) grows prefill only; a generation-heavy one (slow tokens) grows decode only."""

@@ -64,7 +64,7 @@ def test_schema_is_json_schema_of_topology() -> None:
 
 
 def test_hash_key_prints_the_digest_a_topology_stores() -> None:
-    from orchestrator.tenancy import Tenants, hash_key
+    from orchestrator.gateway.tenancy import Tenants, hash_key
 
     given = CliRunner().invoke(main, ["hash-key", "my-key"])
     piped = CliRunner().invoke(main, ["hash-key"], input="my-key\n")

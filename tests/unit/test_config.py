@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from orchestrator.config import Topology, load_topology, parse_topology
-from orchestrator.errors import TopologyError
+from tokenfab.errors import TopologyError
 
 TOPOLOGIES = Path(__file__).resolve().parents[2] / "deploy" / "topologies"
 SOURCE = "t.yaml"

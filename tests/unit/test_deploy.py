@@ -27,7 +27,9 @@ def topology(main: int = 3, side: int = 1, autoscaler: bool = False,
 
 def test_counts_travel_as_overrides() -> None:
     config = application_config(topology(main=3, side=1))
-    assert (config["name"], config["route_prefix"], config["import_path"]) == ("app", "/llm", IMPORT_PATH)
+    # no Serve HTTP route: the gateway serves `gateway.route_prefix` itself
+    assert (config["name"], config["route_prefix"], config["import_path"]) == ("app", None, IMPORT_PATH)
+    assert config["args"]["topology"]["gateway"]["route_prefix"] == "/llm"
     assert config["deployments"] == [
         {"name": "pool-main", "num_replicas": 3},
         {"name": "pool-side", "num_replicas": 1},
@@ -71,4 +73,8 @@ def test_autoscaled_pool_count_belongs_to_serve() -> None:
     assert (kwargs["app"], kwargs["pool"], kwargs["role"]) == ("app", "main", "unified")
     from autoscaler.policy import Targets
 
-    Targets(**{k: v for k, v in kwargs.items() if k not in ("app", "pool")})  # the policy's args
+    Targets(**{k: v for k, v in kwargs.items() if k not in ("app", "pool", "sink")})
+    from autoscaler.records import load_sink
+    from pools.registry import record_scale
+
+    assert load_sink(kwargs["sink"]) is record_scale  # where decisions are kept

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from orchestrator.api_errors import GatewayError
-from orchestrator.fair_queue import FairQueue
+from orchestrator.gateway.errors import GatewayError
+from orchestrator.gateway.fair_queue import FairQueue
 
 
 async def _served_order(queue: FairQueue, requests: list[tuple[str, float, float, str]],

@@ -15,7 +15,7 @@ import yaml
 from orchestrator.config import parse_topology
 from orchestrator.deploy import application_config, topology_of
 from orchestrator.helm_schema import values_schema
-from orchestrator.tenancy import Tenants, hash_key, read_key_file
+from orchestrator.gateway.tenancy import Tenants, hash_key, read_key_file
 
 helm = pytest.importorskip("helm_python")
 
@@ -112,7 +112,9 @@ def test_rayservice_applies_what_tokenfab_up_applies(rendered) -> None:
     assert topology_of(app) == topology
     assert {k: app[k] for k in ("name", "route_prefix", "import_path", "deployments")} == \
         {k: expected[k] for k in ("name", "route_prefix", "import_path", "deployments")}
-    assert serve["http_options"] == {"host": "0.0.0.0", "port": topology.gateway.port}
+    assert serve["proxy_location"] == "Disabled"  # the gateway serves HTTP itself, on the head
+    http = next(p for p in by_kind["Service"]["spec"]["ports"] if p["name"] == "http")
+    assert (topology.gateway.host, topology.gateway.port) == ("0.0.0.0", http["targetPort"])
     assert topology.model.path == values["topology"]["model"]["path"]
     assert topology.cluster.node_ip is None  # each node's own address, found through Ray
     cluster = by_kind["RayService"]["spec"]["rayClusterConfig"]

@@ -3,10 +3,11 @@ forwarder, with vLLM's real publisher behind it (live stream and replay)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
-import zmq
+import zmq.asyncio
 
 from pools.kv_events import EventForwarder, plan_endpoints
 from router.event_sync import ReplicaEventStream
@@ -28,7 +29,21 @@ def test_tcp_forwarder_serves_the_engine_stream_on_the_node_address(tmp_path: Pa
     publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=plan.engine,
                                   replay_endpoint=plan.replay)
     EventForwarder(plan).start()
-    context = zmq.Context()
+    context = zmq.asyncio.Context()
+
+    async def follow() -> None:
+        index = KVBlockIndex()
+        stream = ReplicaEventStream(ReplicaId("r"), plan.public, plan.replay, index, context)
+        await asyncio.sleep(0.5)  # the subscription reaches the forwarder
+        assert await stream.catch_up() == 1
+        store([3])
+        deadline = time.monotonic() + 5
+        while stream.stats.batches < 2 and time.monotonic() < deadline:
+            await stream.poll(0.1)
+        assert index.longest_prefix([1, 2]) == {"r": 2} and index.blocks_of(ReplicaId("r")) == 3
+        assert stream.stats.duplicates == 0 and stream.stats.gaps_cleared == 0
+        stream.close()
+
     try:
         def store(hashes: list[int]) -> None:
             publisher.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
@@ -37,17 +52,7 @@ def test_tcp_forwarder_serves_the_engine_stream_on_the_node_address(tmp_path: Pa
 
         store([1, 2])  # before anyone follows: only the replay endpoint has it
         time.sleep(0.3)
-        index = KVBlockIndex()
-        stream = ReplicaEventStream(ReplicaId("r"), plan.public, plan.replay, index, context)
-        time.sleep(0.5)  # the subscription reaches the forwarder
-        assert stream.catch_up() == 1
-        store([3])
-        deadline = time.monotonic() + 5
-        while stream.stats.batches < 2 and time.monotonic() < deadline:
-            stream.poll(100)
-        assert index.longest_prefix([1, 2]) == {"r": 2} and index.blocks_of(ReplicaId("r")) == 3
-        assert stream.stats.duplicates == 0 and stream.stats.gaps_cleared == 0
-        stream.close()
+        asyncio.run(follow())
     finally:
         publisher.shutdown()
         context.destroy(linger=0)

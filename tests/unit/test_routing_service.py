@@ -4,6 +4,7 @@ ranking, replicas that leave are dropped from the map; metrics follow."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -48,11 +49,11 @@ def view(name: ReplicaId, publisher) -> ReplicaView:
                        kv_replay_endpoint=config.replay_endpoint, block_size=BLOCK)
 
 
-def wait_for(condition, timeout_s: float = 5.0) -> None:
+async def wait_for(condition, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
 
 
 def test_follows_replicas_ranks_by_their_blocks_and_drops_those_that_leave(publishers) -> None:
@@ -63,11 +64,12 @@ def test_follows_replicas_ranks_by_their_blocks_and_drops_those_that_leave(publi
     time.sleep(0.2)
     views = [view(A, publishers[A]), view(B, publishers[B])]
     registry = CollectorRegistry()
-    service = RoutingService("main", build_policy("kv_aware"), lambda: list(views),
-                             VllmBlockHasher, RouterMetrics(registry), refresh_s=0.1)
-    service.start()
-    try:
-        wait_for(lambda: service.replicas().get(B, {}).get("cached_blocks") == 4)
+    service = RoutingService("main", build_policy("kv_aware"), VllmBlockHasher,
+                             RouterMetrics(registry))
+
+    async def scenario() -> None:
+        service.set_replicas(views)
+        await wait_for(lambda: service.replicas().get(B, {}).get("cached_blocks") == 4)
         key = service.route_key("req-1", prompt)
         assert key.block_hashes == hashes and key.prompt_tokens == 4 * BLOCK
         explained = service.explain(key)  # explaining counts nothing
@@ -86,22 +88,38 @@ def test_follows_replicas_ranks_by_their_blocks_and_drops_those_that_leave(publi
                                          {"pool": "main", "policy": "kv_aware"}) == 1
         service.finished("req-1")
 
+        await asyncio.sleep(0.3)  # a's subscription reaches its publisher
         store(publishers[A], hashes[:2])  # a now holds half of it too
-        wait_for(lambda: service.replicas()[A]["cached_blocks"] == 2)
-        views.remove(views[1])  # b leaves (scaled down, or restarted under a new id)
-        wait_for(lambda: B not in service.replicas())
-        assert service.index_entries() == 2
+        await wait_for(lambda: service.replicas()[A]["cached_blocks"] == 2)
+        service.set_replicas(views[:1])  # b leaves (scaled down, or restarted under a new id)
+        assert B not in service.replicas() and service.index_entries() == 2
         assert service.rank(key, [A]) == [A]
+        service.record_metrics()
         assert registry.get_sample_value("tokenfab_router_event_batches_total",
-                                         {"pool": "main"}) == 2
+                                         {"pool": "main"}) == 1  # a's; b's left with b
+        assert registry.get_sample_value("tokenfab_router_followed_replicas",
+                                         {"pool": "main"}) == 1
+
+    try:
+        asyncio.run(scenario())
     finally:
         service.stop()
 
 
-def test_no_route_key_before_any_replica_reports_a_block_size() -> None:
-    service = RoutingService("main", build_policy("round_robin"), lambda: [], VllmBlockHasher)
-    assert service.route_key("r", list(range(64))) is None
-    assert service.rank(None, [B, A]) in ([A, B], [B, A])
+def test_policies_without_prefixes_hash_nothing_and_follow_no_events(publishers) -> None:
+    service = RoutingService("main", build_policy("round_robin"), VllmBlockHasher)
+
+    async def scenario() -> None:
+        key = service.route_key("r", list(range(64)))  # no replica yet: no block size
+        assert (key.prompt_tokens, key.block_size, key.block_hashes) == (64, 0, [])
+        assert service.rank(key, [B, A]) in ([A, B], [B, A])
+        service.set_replicas([view(A, publishers[A])])
+        key = service.route_key("r2", list(range(64)))
+        assert (key.block_size, key.block_hashes) == (BLOCK, [])  # round robin reads no prefix
+        assert service.replicas()[A]["event_batches"] == 0 and not service._tasks
+
+    asyncio.run(scenario())
+    service.stop()
 
 
 def test_two_ingress_replicas_build_the_same_map(publishers) -> None:
@@ -110,19 +128,22 @@ def test_two_ingress_replicas_build_the_same_map(publishers) -> None:
     hasher = VllmBlockHasher(BLOCK)
     prompt = list(range(500, 500 + 3 * BLOCK))
     views = [view(A, publishers[A]), view(B, publishers[B])]
-    services = [RoutingService("main", build_policy("kv_aware"), lambda: list(views),
-                               VllmBlockHasher, refresh_s=0.1) for _ in range(2)]
-    for service in services:
-        service.start()
-    try:
-        wait_for(lambda: all(len(s.replicas()) == 2 for s in services))
-        time.sleep(0.3)  # both subscriptions reach the publishers
+    services = [RoutingService("main", build_policy("kv_aware"), VllmBlockHasher)
+                for _ in range(2)]
+
+    async def scenario() -> None:
+        for service in services:
+            service.set_replicas(views)
+        await asyncio.sleep(0.5)  # both subscriptions reach the publishers
         store(publishers[A], hasher.block_hashes(prompt)[:1])
         store(publishers[B], hasher.block_hashes(prompt))
-        wait_for(lambda: all(s.index_entries() == 4 for s in services))
+        await wait_for(lambda: all(s.index_entries() == 4 for s in services))
         keys = [s.route_key(f"r{i}", prompt) for i, s in enumerate(services)]
         assert [s.explain(k)["ranked"][0] for s, k in zip(services, keys)] == [B, B]
         assert services[0].replicas() == services[1].replicas()
+
+    try:
+        asyncio.run(scenario())
     finally:
         for service in services:
             service.stop()

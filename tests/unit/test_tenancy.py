@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.api_errors import GatewayError
+from orchestrator.gateway.errors import GatewayError
 from orchestrator.config import TenantLimits, parse_topology
-from orchestrator.errors import TopologyError
-from orchestrator.limits import TenantLimiter, TokenBucket
-from orchestrator.tenancy import Tenants, hash_key, read_key_file
-from orchestrator.usage import StreamMeter, request_usage, usage_of
+from tokenfab.errors import TopologyError
+from orchestrator.gateway.limits import TenantLimiter, TokenBucket
+from orchestrator.gateway.tenancy import Tenants, hash_key, read_key_file
+from channel.frames import Usage
+from pools.usage import StreamMeter, usage_of, with_stream_usage
 
 BASE = {"name": "t", "model": {"name": "tiny", "path": "/m"},
         "pools": [{"name": "main", "role": "unified", "resources": {"kv_cache_bytes": "64MiB"}}]}
@@ -113,12 +114,12 @@ def test_limiter_worked_example_from_the_docstring() -> None:
     with pytest.raises(GatewayError) as info:
         limiter.admit(600, now=0.0)
     assert info.value.status == 429 and info.value.retry_after_s == pytest.approx(6.0)
-    assert info.value.response().headers["retry-after"] == "6"
+    assert info.value.headers()["retry-after"] == "6"
     limiter.release(charge, used_tokens=6000 - 80, now=0.0)
     with pytest.raises(GatewayError) as info:
         limiter.admit(600, now=0.0)
     assert info.value.retry_after_s == pytest.approx(5.2)
-    assert info.value.response().headers["retry-after"] == "6"
+    assert info.value.headers()["retry-after"] == "6"
 
 
 def test_limiter_requests_concurrency_and_sizes() -> None:
@@ -159,25 +160,25 @@ def test_a_request_larger_than_the_minute_is_refused_outright() -> None:
 def test_usage_of_replies_and_streams() -> None:
     usage = usage_of(b'{"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, '
                      b'"prompt_tokens_details": {"cached_tokens": 4}}}')
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (7, 3, 4)
-    assert usage_of(b'{"error": {}}') is None and usage_of(b"not json") is None
-    body, wanted = request_usage({"stream": True, "prompt": "x"})
+    assert usage == Usage(7, 3, 4)
+    assert usage_of(b'{"error": {}}') == Usage() and usage_of(b"not json") == Usage()
+    body, wanted = with_stream_usage({"stream": True, "prompt": "x"})
     assert body["stream_options"] == {"include_usage": True} and not wanted
-    assert request_usage({"stream": True, "stream_options": {"include_usage": True}})[1]
-    assert request_usage({"prompt": "x"}) == ({"prompt": "x"}, False)
+    assert with_stream_usage({"stream": True, "stream_options": {"include_usage": True}})[1]
+    assert with_stream_usage({"prompt": "x"}) == ({"prompt": "x"}, False)
 
-    meter = StreamMeter(started=0.0, client_wants_usage=False)
+    meter = StreamMeter(keep_usage=False)
     chat_role = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
     token = b'data: {"choices": [{"delta": {"content": "hi"}}], "usage": null}\n\n'
+    completion = b'data: {"choices": [{"index": 0, "text": " x"}], "usage": null}\n\n'
     final = b'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}}\n\n'
-    assert meter.feed(chat_role, 0.5) == chat_role
-    assert meter.feed(token, 1.0) == token
-    assert meter.feed(token + token, 1.25) == token + token
-    assert meter.feed(final, 1.3) == b""  # the client did not ask for usage
-    assert meter.feed(b"data: [DONE]\n\n", 1.3) == b"data: [DONE]\n\n"
-    assert meter.first_token_s == 1.0 and meter.gaps == [0.25, 0.0]
+    assert meter.event(chat_role) == (chat_role, False)  # the role-only chunk is no token
+    assert meter.event(token) == (token, True)
+    assert meter.event(completion) == (completion, True)
+    assert meter.event(final) == (b"", False)  # the client did not ask for usage
+    assert meter.event(b"data: [DONE]\n\n") == (b"data: [DONE]\n\n", False)
     partial = b'data: {"choices": [{"delta": {"content": ""}, "finish_reason": null}]}\n\n'
-    assert meter.feed(partial, 2.0) == partial and meter.gaps[-1] == 0.75  # a token, no text yet
-    assert meter.usage.completion_tokens == 2
-    kept = StreamMeter(started=0.0, client_wants_usage=True)
-    assert kept.feed(final, 1.0) == final
+    assert meter.event(partial) == (partial, True)  # a token, no text yet
+    assert meter.usage == Usage(2, 2, 0)
+    assert meter.feed(token + completion) == (token + completion, True)  # two events at once
+    assert StreamMeter(keep_usage=True).event(final) == (final, False)

@@ -1,0 +1,196 @@
+"""The gateway's end of the channel: one link per replica, on which requests are opened as
+streams. Reply bytes are handed to each stream's sink as frames arrive, in the link's own
+callback: relaying a token wakes no task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import time
+from collections.abc import Callable
+
+from channel import frames
+from channel.frames import Head, Held, Hello, Kind, Refused, Request, Usage
+
+Sink = Callable[[bytes, bool], None]  # (reply bytes, carries tokens)
+
+
+class LinkLost(Exception):
+    """The connection to the replica broke, or could not be made: the replica is gone or
+    unreachable (distinct from a reply that failed)."""
+
+
+class ReplyFailed(Exception):
+    """The replica broke off the reply (its engine failed while serving it)."""
+
+
+class ReplyStream:
+    """One request's reply as it arrives. `head` resolves to a Head, or to Refused when the
+    replica did not take the request; `end` to the reply's Usage. Both fail with LinkLost or
+    ReplyFailed. Bytes go to the sink once one is attached, and are kept until then."""
+
+    __slots__ = ("id", "_link", "head", "end", "_sink", "_kept")
+
+    def __init__(self, stream_id: int, link: ReplicaLink, loop: asyncio.AbstractEventLoop) -> None:
+        self.id, self._link = stream_id, link
+        self.head: asyncio.Future[Head | Refused] = loop.create_future()
+        self.end: asyncio.Future[Usage] = loop.create_future()
+        self._sink: Sink | None = None
+        self._kept: list[tuple[bytes, bool]] = []
+
+    @property
+    def replica(self) -> str:
+        return self._link.replica
+
+    def attach(self, sink: Sink) -> None:
+        """Send the reply's bytes to `sink` from now on (what came before goes first)."""
+        kept, self._kept = self._kept, []
+        for chunk, token in kept:
+            sink(chunk, token)
+        self._sink = sink
+
+    def body(self) -> bytes:
+        """The bytes received so far, when no sink is attached (a whole reply, after `end`)."""
+        return b"".join(chunk for chunk, _ in self._kept)
+
+    def cancel(self) -> None:
+        """Stop the request on the replica (no-op once it ended)."""
+        if not self.end.done():
+            self._link.cancel(self)
+            self._fail(LinkLost("cancelled"))
+
+    def _data(self, chunk: bytes, token: bool) -> None:
+        if self._sink is not None:
+            self._sink(chunk, token)
+        else:
+            self._kept.append((chunk, token))
+
+    def _fail(self, error: Exception) -> None:
+        for future in (self.head, self.end):
+            if not future.done():
+                future.set_exception(error)
+                future.exception()  # retrieved: nobody may be waiting on the end any more
+
+
+class ReplicaLink(asyncio.Protocol):
+    """The gateway's connection to one replica. Use from one event loop."""
+
+    def __init__(self, replica: str, host: str, port: int, secret: bytes, gateway: str) -> None:
+        self.replica, self.host, self.port = replica, host, port
+        self._secret, self._gateway = secret, gateway
+        self.state = "new"  # -> connecting -> ready | draining -> closed
+        self._closed_at = 0.0
+        self._transport: asyncio.Transport | None = None
+        self._reader = frames.FrameReader()
+        self._streams: dict[int, ReplyStream] = {}
+        self._ids = itertools.count(1)
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self.on_state: Callable[[ReplicaLink], None] | None = None
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def closed_for_s(self) -> float:
+        """Seconds since the link closed (0 while it is not closed)."""
+        return time.monotonic() - self._closed_at if self.state == "closed" else 0.0
+
+    async def connect(self, timeout_s: float = 5.0) -> None:
+        """Connect and introduce this gateway; LinkLost if the replica cannot be reached."""
+        self.state = "connecting"
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.create_connection(lambda: self, self.host, self.port), timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            self.state, self._closed_at = "closed", time.monotonic()
+            raise LinkLost(f"replica {self.replica} at {self.host}:{self.port}: {exc}") from exc
+        self._send(Kind.HELLO, 0, frames.encode(Hello(self._secret, self._gateway)))
+        if self.state == "connecting":  # a STATE frame may not have come yet: ready until told
+            self.state = "ready"
+
+    def open(self, request: Request) -> ReplyStream:
+        if self.state not in ("ready", "draining"):
+            raise LinkLost(f"replica {self.replica} link is {self.state}")
+        stream = ReplyStream(next(self._ids), self, asyncio.get_running_loop())
+        self._streams[stream.id] = stream
+        self._send(Kind.REQUEST, stream.id, frames.encode(request))
+        return stream
+
+    def cancel(self, stream: ReplyStream) -> None:
+        if self._streams.pop(stream.id, None) is not None:
+            self._send(Kind.CANCEL, stream.id)
+
+    def send_held(self, count: int) -> None:
+        if self.state in ("ready", "draining"):
+            self._send(Kind.HELD, 0, frames.encode(Held(count)))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        else:
+            self.state, self._closed_at = "closed", time.monotonic()
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for kind, stream_id, payload in self._reader.feed(data):
+                self._frame(kind, stream_id, payload)
+        except frames.ProtocolError:
+            self._transport.close()
+
+    def _frame(self, kind: int, stream_id: int, payload: bytes) -> None:
+        if kind == Kind.STATE:
+            self.state = frames.decode(Kind.STATE, payload).state
+            if self.on_state is not None:
+                self.on_state(self)
+            return
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return  # cancelled by us; the replica's last frames cross the CANCEL
+        if kind == Kind.TOKEN or kind == Kind.DATA:
+            stream._data(payload, kind == Kind.TOKEN)
+        elif kind == Kind.HEAD:
+            stream.head.set_result(frames.decode(Kind.HEAD, payload))
+        elif kind == Kind.END:
+            del self._streams[stream_id]
+            stream.end.set_result(frames.decode(Kind.END, payload))
+        elif kind == Kind.REFUSED:
+            del self._streams[stream_id]
+            stream.head.set_result(frames.decode(Kind.REFUSED, payload))
+        elif kind == Kind.FAILED:
+            del self._streams[stream_id]
+            stream._fail(ReplyFailed(frames.decode(Kind.FAILED, payload).message))
+        else:
+            raise frames.ProtocolError(f"unexpected frame kind {kind}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state, self._closed_at = "closed", time.monotonic()
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._fail(LinkLost(f"replica {self.replica} connection lost"))
+        if self.on_state is not None:
+            self.on_state(self)
+
+    def _send(self, kind: Kind, stream_id: int, payload: bytes = b"") -> None:
+        self._out += frames.HEADER.pack(len(payload), stream_id, kind)
+        self._out += payload
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, self._out = self._out, bytearray()
+        if out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(out)

@@ -1,0 +1,131 @@
+"""The channel's wire format: length-prefixed frames, each for one stream of one connection.
+
+    frame   = header payload
+    header  = payload length (u32) | stream id (u32) | kind (u8)      network byte order, 9 bytes
+
+Stream 0 is the connection itself (HELLO, HELD, STATE). A request's stream id is chosen by the
+gateway, unique on its connection. Per request, the replica sends exactly one of:
+
+    REFUSED                            not taken (draining, full): the gateway tries elsewhere
+    HEAD (DATA | TOKEN)* (END | FAILED)
+
+DATA and TOKEN payloads are the reply's bytes exactly as the client gets them (a JSON body, or
+whole server-sent events); TOKEN marks bytes that carry generated tokens, so the gateway can time
+first tokens and gaps without parsing them. The other payloads are msgpack arrays (the structs
+below).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from enum import IntEnum
+
+import msgspec
+
+HEADER = struct.Struct("!IIB")
+MAX_PAYLOAD = 64 << 20  # a frame larger than this is a protocol error (request bodies are capped)
+SECRET_BYTES = 32
+
+
+class Kind(IntEnum):
+    HELLO = 1  # gateway -> replica, stream 0: Hello; must be the connection's first frame
+    REQUEST = 2  # gateway -> replica: Request
+    CANCEL = 3  # gateway -> replica: abort the request (the client went away)
+    HELD = 4  # gateway -> replica, stream 0: Held
+    HEAD = 5  # replica -> gateway: Head
+    DATA = 6  # replica -> gateway: reply bytes
+    TOKEN = 7  # replica -> gateway: reply bytes that carry generated tokens
+    END = 8  # replica -> gateway: Usage; the reply is complete
+    REFUSED = 9  # replica -> gateway: Refused; nothing was started
+    FAILED = 10  # replica -> gateway: Failed; the reply broke off (engine failure)
+    STATE = 11  # replica -> gateway, stream 0: State
+
+
+class Hello(msgspec.Struct, array_like=True, frozen=True):
+    secret: bytes
+    gateway: str  # who connects, for the replica's logs
+
+
+class Request(msgspec.Struct, array_like=True, frozen=True):
+    endpoint: str  # "completions" or "chat"
+    body: bytes  # the OpenAI request body, JSON
+    usage_to_client: bool = True  # False: drop the stream's usage chunk, report it in END only
+
+
+class Head(msgspec.Struct, array_like=True, frozen=True):
+    status: int
+    streaming: bool
+    replica_id: str
+
+
+class Usage(msgspec.Struct, array_like=True, frozen=True):
+    """What a reply cost, from the engine's own usage (zeros for an error reply)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Refused(msgspec.Struct, array_like=True, frozen=True):
+    reason: str  # "draining", "full", "starting"
+
+
+class Failed(msgspec.Struct, array_like=True, frozen=True):
+    message: str
+
+
+class Held(msgspec.Struct, array_like=True, frozen=True):
+    """Requests this gateway holds for the replica's pool (no replica could take them yet)."""
+
+    count: int
+
+
+class State(msgspec.Struct, array_like=True, frozen=True):
+    state: str  # "ready" or "draining"
+
+
+encode = msgspec.msgpack.Encoder().encode
+_decoders = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in (
+    (Kind.HELLO, Hello), (Kind.REQUEST, Request), (Kind.HELD, Held), (Kind.HEAD, Head),
+    (Kind.END, Usage), (Kind.REFUSED, Refused), (Kind.FAILED, Failed), (Kind.STATE, State))}
+
+
+class ProtocolError(Exception):
+    """The peer broke the wire format; the connection must be closed."""
+
+
+def decode(kind: Kind, payload: bytes) -> msgspec.Struct:
+    try:
+        return _decoders[kind].decode(payload)
+    except (KeyError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"bad {kind!r} payload: {exc}") from exc
+
+
+def frame(kind: Kind, stream: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(len(payload), stream, kind) + payload
+
+
+class FrameReader:
+    """Cuts a byte stream into frames; feed it whatever the socket delivered."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[tuple[int, int, bytes]]:
+        """(kind, stream, payload) of every frame completed by `data`, in order."""
+        buffer = self._buffer
+        buffer += data
+        offset, size = 0, len(buffer)
+        try:
+            while size - offset >= HEADER.size:
+                length, stream, kind = HEADER.unpack_from(buffer, offset)
+                if length > MAX_PAYLOAD:
+                    raise ProtocolError(f"frame of {length} bytes")
+                end = offset + HEADER.size + length
+                if end > size:
+                    break
+                yield kind, stream, bytes(buffer[offset + HEADER.size:end])
+                offset = end
+        finally:
+            del buffer[:offset]

@@ -1,0 +1,201 @@
+"""The replica's end of the channel: accepts gateways that know the secret, runs each request as a
+task of the replica's event loop and writes its reply back as frames.
+
+Frames written by all streams of a connection during one turn of the event loop leave in one
+write: the engine answers every running request in the same step, so a step of N streams costs
+one system call here, not N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+from functools import partial
+from typing import Protocol
+
+from channel import frames
+from channel.frames import Failed, Head, Kind, Refused, Request, State, Usage
+
+logger = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 5.0  # a peer that has not said a valid HELLO by then is dropped
+
+
+class Reply:
+    """Writes one request's reply, in the order frames.py gives; the replica's handler owns it."""
+
+    __slots__ = ("_connection", "_stream", "done")
+
+    def __init__(self, connection: _Connection, stream: int) -> None:
+        self._connection, self._stream, self.done = connection, stream, False
+
+    def head(self, status: int, streaming: bool, replica_id: str) -> None:
+        self._connection.send(Kind.HEAD, self._stream,
+                              frames.encode(Head(status, streaming, replica_id)))
+
+    def data(self, chunk: bytes, token: bool = False) -> None:
+        self._connection.send(Kind.TOKEN if token else Kind.DATA, self._stream, chunk)
+
+    def end(self, usage: Usage) -> None:
+        self.done = True
+        self._connection.send(Kind.END, self._stream, frames.encode(usage))
+
+    def failed(self, message: str) -> None:
+        self.done = True
+        self._connection.send(Kind.FAILED, self._stream, frames.encode(Failed(message)))
+
+
+class Handler(Protocol):
+    """What serves requests arriving on the channel. All three run on the server's loop.
+
+    `admit` is called as a request arrives: None reserves a slot for it (then `serve` runs and
+    `release` is called exactly once when it is over, however it ended); a string refuses it,
+    naming why (the gateway tries another replica). `serve` writes the reply; it is cancelled if
+    the gateway cancels the request or goes away. An exception it raises becomes FAILED.
+    """
+
+    def admit(self) -> str | None: ...
+
+    async def serve(self, request: Request, reply: Reply) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class _Connection(asyncio.Protocol):
+    """One gateway's connection."""
+
+    def __init__(self, server: ChannelServer) -> None:
+        self._server = server
+        self._reader = frames.FrameReader()
+        self._transport: asyncio.Transport | None = None
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self._tasks: dict[int, asyncio.Task] = {}
+        self.gateway: str | None = None  # set by a valid HELLO
+        self.held = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._close_if_anonymous)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _close_if_anonymous(self) -> None:
+        if self.gateway is None:
+            self.close()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for kind, stream, payload in self._reader.feed(data):
+                self._frame(kind, stream, payload)
+        except frames.ProtocolError as exc:
+            logger.warning("closing channel from %s: %s", self.gateway or "unknown peer", exc)
+            self._transport.close()
+
+    def _frame(self, kind: int, stream: int, payload: bytes) -> None:
+        if self.gateway is None:
+            hello = frames.decode(Kind.HELLO, payload) if kind == Kind.HELLO else None
+            if hello is None or not hmac.compare_digest(hello.secret, self._server.secret):
+                raise frames.ProtocolError("no valid HELLO")
+            self.gateway = hello.gateway
+            self._server.greet(self)
+        elif kind == Kind.REQUEST:
+            self._request(stream, frames.decode(Kind.REQUEST, payload))
+        elif kind == Kind.CANCEL:
+            task = self._tasks.get(stream)
+            if task is not None:
+                task.cancel()
+        elif kind == Kind.HELD:
+            self.held = frames.decode(Kind.HELD, payload).count
+        else:
+            raise frames.ProtocolError(f"unexpected frame kind {kind}")
+
+    def _request(self, stream: int, request: Request) -> None:
+        handler = self._server.handler
+        refusal = handler.admit()
+        if refusal is not None:
+            self.send(Kind.REFUSED, stream, frames.encode(Refused(refusal)))
+            return
+        reply = Reply(self, stream)
+        task = asyncio.get_running_loop().create_task(handler.serve(request, reply))
+        self._tasks[stream] = task
+        task.add_done_callback(partial(self._finished, stream, reply))
+
+    def _finished(self, stream: int, reply: Reply, task: asyncio.Task) -> None:
+        self._tasks.pop(stream, None)
+        self._server.handler.release()
+        if task.cancelled() or reply.done:
+            return
+        error = task.exception()
+        if error is not None:
+            logger.warning("request on stream %d failed: %r", stream, error)
+        reply.failed(f"replica failed: {error!r}" if error else "replica ended the reply early")
+
+    def send(self, kind: Kind, stream: int, payload: bytes) -> None:
+        self._out += frames.HEADER.pack(len(payload), stream, kind)
+        self._out += payload
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, self._out = self._out, bytearray()
+        if out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(out)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.forget(self)
+        for task in list(self._tasks.values()):
+            task.cancel()  # the gateway is gone: abort its engine requests
+
+
+class ChannelServer:
+    """Listens on one address for gateways; serves their requests with `handler`."""
+
+    def __init__(self, secret: bytes, handler: Handler) -> None:
+        self.secret, self.handler = secret, handler
+        self._connections: set[_Connection] = set()
+        self._server: asyncio.Server | None = None
+        self._state = "ready"
+
+    async def start(self, host: str, port: int = 0) -> int:
+        """Bind and listen; returns the port (a free one when `port` is 0)."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    def greet(self, connection: _Connection) -> None:
+        self._connections.add(connection)
+        if self._state != "ready":
+            connection.send(Kind.STATE, 0, frames.encode(State(self._state)))
+
+    def forget(self, connection: _Connection) -> None:
+        self._connections.discard(connection)
+
+    def set_state(self, state: str) -> None:
+        """Tell every gateway (now and later) the replica's state, e.g. "draining"."""
+        self._state = state
+        for connection in self._connections:
+            connection.send(Kind.STATE, 0, frames.encode(State(state)))
+
+    def held(self) -> int:
+        """Requests the connected gateways hold for this replica's pool."""
+        return sum(connection.held for connection in self._connections)
+
+    def gateways(self) -> int:
+        return len(self._connections)
+
+    def close(self) -> None:
+        """Stop listening and drop every connection (their requests are cancelled)."""
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._connections):
+            connection.close()

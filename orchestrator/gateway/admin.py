@@ -1,0 +1,125 @@
+"""The gateway's own routes: health, readiness, metrics and introspection (`/tokenfab/...`).
+
+None of these is on the request path of a completion; they read the replica registry and the
+routing services when asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from orchestrator.gateway import pool_metrics
+from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
+from orchestrator.gateway.errors import GatewayError, send_error
+from orchestrator.gateway.http import HttpRequest, Responder
+from kvtransfer.metrics import TransferMetrics
+
+logger = logging.getLogger("ray.serve").getChild("tokenfab.admin")
+
+Explain = Callable[[str, HttpRequest], Awaitable[dict[str, Any]]]  # raises GatewayError
+_encode = msgspec.json.encode
+
+
+class Admin:
+    def __init__(self, app: str, pools: Mapping[str, PoolDispatcher], directory: ReplicaDirectory,
+                 registry: CollectorRegistry, replica_id: str, route_prefix: str,
+                 transfers: TransferMetrics | None) -> None:
+        self._app, self._pools, self._directory = app, pools, directory
+        self._registry, self._replica_id = registry, replica_id
+        self._route_prefix, self._transfers = route_prefix, transfers
+        self._gets: dict[str, Callable[[Responder], Awaitable[None]]] = {
+            "/health": self._health, "/-/healthz": self._healthz, "/-/routes": self._routes,
+            "/ready": self._ready, "/metrics": self._metrics, "/tokenfab/pd": self._pd,
+            "/tokenfab/replicas": self._replicas, "/tokenfab/autoscaler": self._autoscaler,
+            "/tokenfab/router": self._router,
+        }
+
+    async def handle(self, path: str, request: HttpRequest, responder: Responder,
+                     explain: Explain) -> None:
+        route = self._gets.get(path)
+        if route is not None:
+            if request.method != "GET":
+                return send_error(responder, 405, "Method Not Allowed")
+            return await route(responder)
+        if path.startswith("/tokenfab/route/"):
+            if request.method != "POST":
+                return send_error(responder, 405, "Method Not Allowed")
+            return await self._explain(path.removeprefix("/tokenfab/route/"), request, responder,
+                                       explain)
+        send_error(responder, 404, "Not Found")
+
+    async def _health(self, responder: Responder) -> None:
+        responder.send(200, b'{"status": "ok"}')
+
+    async def _healthz(self, responder: Responder) -> None:  # KubeRay's probe of Serve's proxy
+        responder.send(200, b"success", content_type="text/plain")
+
+    async def _routes(self, responder: Responder) -> None:
+        responder.send(200, _encode({self._route_prefix: self._app}))
+
+    async def _ready(self, responder: Responder) -> None:
+        """200 when every pool has a ready replica; 503 naming the pools that have none."""
+        try:
+            reports = await self._directory.snapshot()
+        except Exception:  # noqa: BLE001 - any failure of the registry means not ready
+            return send_error(responder, 503, "replica registry unavailable")
+        ready = Counter(report.pool for report in reports if report.state == "ready")
+        missing = [pool for pool in self._pools if not ready[pool]]
+        if missing:
+            return send_error(responder, 503, f"no ready replica in pool(s): {', '.join(missing)}")
+        responder.send(200, _encode({"status": "ready", "ready_replicas": dict(ready)}))
+
+    async def _metrics(self, responder: Responder) -> None:
+        """This ingress replica's series, then every pool replica's (see pool_metrics)."""
+        for pool in self._pools.values():
+            pool.service.record_metrics()
+        body = generate_latest(self._registry)
+        try:
+            reports = await self._directory.snapshot()
+        except Exception:  # noqa: BLE001 - a scrape without pool series beats a failed scrape
+            logger.warning("replica registry unavailable; /metrics without pool series")
+        else:
+            body += pool_metrics.render(reports)
+        responder.send(200, body, content_type=CONTENT_TYPE_LATEST)
+
+    async def _pd(self, responder: Responder) -> None:
+        """Counters of the prefill/decode flow (empty for unified topologies)."""
+        responder.send(200, _encode(dict(self._transfers.tally) if self._transfers else {}))
+
+    async def _replicas(self, responder: Responder) -> None:
+        """Every pool replica's self-report (state, cores, load), for `tokenfab status`."""
+        reports = await self._directory.snapshot()
+        responder.send(200, _encode([msgspec.to_builtins(report) for report in reports]))
+
+    async def _autoscaler(self, responder: Responder) -> None:
+        """The autoscaler's latest decision per autoscaled pool."""
+        records = await self._directory.scaling()
+        responder.send(200, _encode([msgspec.to_builtins(record) for record in records]))
+
+    async def _router(self, responder: Responder) -> None:
+        """This ingress replica, and per pool: policy, block map size, and per replica the
+        blocks the map holds, the state of its event stream and the requests held."""
+        pools = {name: {"policy": p.service.policy.name, "block_size": p.service.block_size(),
+                        "index_entries": p.service.index_entries(), "held": p.held,
+                        "replicas": p.service.replicas()} for name, p in self._pools.items()}
+        responder.send(200, _encode({"ingress": {"pid": os.getpid(), "replica": self._replica_id},
+                                     "pools": pools}))
+
+    async def _explain(self, endpoint: str, request: HttpRequest, responder: Responder,
+                       explain: Explain) -> None:
+        """How each pool would place this completions or chat request now (nothing is sent to
+        an engine): the request's block hashes and every replica's score."""
+        if endpoint not in ("completions", "chat"):
+            return send_error(responder, 404, f"unknown endpoint {endpoint!r}: completions or chat")
+        try:
+            explained = await explain(endpoint, request)
+        except GatewayError as exc:
+            return exc.send(responder)
+        responder.send(200, _encode(explained))

@@ -1,0 +1,278 @@
+"""A small HTTP/1.1 server for the gateway: httptools parses, the handler answers, bytes go out.
+
+It is what the request path needs and no more: keep-alive, pipelined requests answered in order,
+bodies capped at a size, JSON and server-sent-event replies (chunked), an idle timeout, and a
+client that leaves cancels the handler of its request. A streamed reply's chunks are written to
+the socket by whoever has them (the channel's callback), with no task switch per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import deque
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+
+import httptools
+
+logger = logging.getLogger("ray.serve").getChild("tokenfab.http")
+
+IDLE_TIMEOUT_S = 75.0  # a kept-alive connection with no request for this long is closed
+MAX_HEADER_BYTES = 64 << 10
+MAX_PIPELINED = 16  # requests read ahead of the one being answered; more pause reading
+
+
+class HttpRequest:
+    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "too_large",
+                 "http10")
+
+    def __init__(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes,
+                 keep_alive: bool, too_large: bool, http10: bool = False) -> None:
+        self.method, self.path, self.query, self.headers = method, path, query, headers
+        self.body, self.keep_alive, self.too_large = body, keep_alive, too_large
+        self.http10 = http10  # no chunked encoding: a stream ends with the connection
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Unknown"
+
+
+def _head(status: int, headers: dict[str, str], extra: bytes) -> bytes:
+    lines = [b"HTTP/1.1 %d %s\r\nserver: tokenfab\r\n" % (status, _reason(status))]
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    lines.append(extra)
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+class Responder:
+    """Answers one request: either `send` once, or `start_stream`, `write`* and `end_stream`.
+    Writing after the client left does nothing (`closed` says so)."""
+
+    __slots__ = ("_connection", "_keep_alive", "_chunked", "started", "finished", "status")
+
+    def __init__(self, connection: _Connection, keep_alive: bool, chunked: bool) -> None:
+        self._connection, self._keep_alive, self._chunked = connection, keep_alive, chunked
+        self.started = self.finished = False
+        self.status = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._connection.closed
+
+    def send(self, status: int, body: bytes, headers: dict[str, str] | None = None,
+             content_type: str = "application/json") -> None:
+        self.started = self.finished = True
+        self.status = status
+        extra = b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type.encode(), len(body))
+        if not self._keep_alive:
+            extra += b"connection: close\r\n"
+        self._connection.write(_head(status, headers or {}, extra) + body)
+
+    def start_stream(self, status: int, headers: dict[str, str] | None = None,
+                     content_type: str = "text/event-stream") -> None:
+        self.started, self.status = True, status
+        extra = b"content-type: %s\r\ncache-control: no-cache\r\n" % content_type.encode()
+        if self._chunked:
+            extra += b"transfer-encoding: chunked\r\n"
+        else:  # an HTTP/1.0 client: the end of the stream is the end of the connection
+            self._keep_alive = False
+        if not self._keep_alive:
+            extra += b"connection: close\r\n"
+        self._connection.write(_head(status, headers or {}, extra))
+
+    def write(self, chunk: bytes) -> None:
+        if chunk:
+            self._connection.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self._chunked
+                                   else chunk)
+
+    def end_stream(self) -> None:
+        self.finished = True
+        if self._chunked:
+            self._connection.write(b"0\r\n\r\n")
+
+    @property
+    def keep_alive(self) -> bool:
+        return self._keep_alive
+
+
+Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, answers them one at a time, in order."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._pending: deque[HttpRequest] = deque()
+        self._task: asyncio.Task | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._paused = False
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._head_bytes = 0  # bytes received while the request's head is not complete
+        self._in_head = True
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._header_bytes = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._too_large = False
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        self._disarm_idle()
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEADER_BYTES + 8192:  # the parser buffers a head whole
+                self._reject(431, "request headers are too large")
+                return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            if self._header_bytes > MAX_HEADER_BYTES:  # raised from on_header, wrapped
+                self._reject(431, "request headers are too large")
+            else:
+                self._reject(400, f"malformed HTTP request: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._disarm_idle()
+        if self._task is not None:
+            self._task.cancel()  # the client left: its request's handler stops (and cleans up)
+
+    # -- httptools callbacks ------------------------------------------------------------------
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise ValueError("request headers are too large")
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        self._headers[key] = f"{self._headers[key]}, {text}" if key in self._headers else text
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        declared = self._headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._server.max_body_bytes:
+            self._too_large = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self._server.max_body_bytes:
+            self._too_large = True
+        if not self._too_large:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        url = httptools.parse_url(self._url)
+        request = HttpRequest(
+            self._parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
+            (url.query or b"").decode("latin-1"), self._headers,
+            b"".join(self._body) if not self._too_large else b"",
+            self._parser.should_keep_alive(), self._too_large,
+            self._parser.get_http_version() == "1.0")
+        self._reset()
+        self._pending.append(request)
+        if len(self._pending) > MAX_PIPELINED and not self._paused:
+            self._paused = True
+            self._transport.pause_reading()
+        if self._task is None:
+            self._next()
+
+    # -- answering ----------------------------------------------------------------------------
+
+    def _next(self) -> None:
+        if self._paused and len(self._pending) <= MAX_PIPELINED:
+            self._paused = False
+            self._transport.resume_reading()
+        if not self._pending or self.closed:
+            self._task = None
+            if not self.closed:
+                self._arm_idle()
+            return
+        request = self._pending.popleft()
+        responder = Responder(self, request.keep_alive and not request.too_large,
+                              not request.http10)
+        self._task = asyncio.get_running_loop().create_task(self._answer(request, responder))
+
+    async def _answer(self, request: HttpRequest, responder: Responder) -> None:
+        try:
+            await self._server.handler(request, responder)
+        except asyncio.CancelledError:
+            return  # the client left
+        except Exception:  # noqa: BLE001 - a bug must not take the connection's others down
+            logger.exception("unhandled error answering %s %s", request.method, request.path)
+            if not responder.started:
+                responder.send(500, b'{"error": {"message": "internal error", "type": '
+                               b'"InternalServerError", "param": null, "code": 500}}')
+        if not responder.finished:
+            self.close()  # a stream that broke off: the client must not wait for more
+        elif not responder.keep_alive:
+            self.close()
+        self._next()
+
+    def write(self, data: bytes) -> None:
+        if not self.closed and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def close(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+        self.closed = True
+
+    def _reject(self, status: int, message: str) -> None:
+        body = (b'{"error": {"message": "%s", "type": "BadRequestError", "param": null, '
+                b'"code": %d}}' % (message.replace('"', "'").encode(), status))
+        self.write(_head(status, {}, b"content-type: application/json\r\ncontent-length: %d\r\n"
+                         b"connection: close\r\n" % len(body)) + body)
+        self.close()
+
+    def _arm_idle(self) -> None:
+        self._idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT_S, self.close)
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+
+class HttpServer:
+    """Serves `handler` on one address; several processes may share it (SO_REUSEPORT)."""
+
+    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
+        self.handler, self.max_body_bytes = handler, max_body_bytes
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port,
+                                                reuse_port=True, backlog=1024)
+        return self._server.sockets[0].getsockname()[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()

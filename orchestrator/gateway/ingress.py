@@ -1,0 +1,118 @@
+"""The gateway as a Ray Serve deployment: each replica serves HTTP itself, on the topology's
+address (the replicas on one node share the port), with no Serve proxy in between.
+
+Serve places, health-checks, restarts and scales gateway replicas; requests reach pool replicas
+over the data channel (gateway.dispatch), not through Serve handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from channel.secret import channel_secret
+from orchestrator.gateway.admin import Admin
+from orchestrator.gateway.admission import Admission
+from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
+from orchestrator.gateway.flows import DisaggregatedFlow, Flow, UnifiedFlow
+from orchestrator.gateway.http import HttpServer
+from orchestrator.gateway.metrics import GatewayMetrics
+from orchestrator.gateway.routes import Routes
+from orchestrator.gateway.tenancy import Tenants
+from kvtransfer.metrics import TransferMetrics
+from orchestrator.config import PoolSpec, Topology, routing_policy
+from pools.tokenizer import PromptTokenCounter
+from router.metrics import RouterMetrics
+from router.policies import build_policy
+from router.service import RoutingService
+
+logger = logging.getLogger("ray.serve").getChild("tokenfab.gateway")
+
+DRAIN_TIMEOUT_S = 60.0
+
+
+def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics) -> RoutingService:
+    spec = topology.router
+    policy = build_policy(routing_policy(topology, pool), spec.weights,
+                          max_in_flight=spec.max_in_flight, tolerance=spec.tie_tolerance)
+    hash_algo = str(topology.engine_args.get("prefix_caching_hash_algo", "sha256"))
+
+    def hasher(block_size: int):
+        from pools.block_hasher import VllmBlockHasher
+
+        return VllmBlockHasher(block_size, hash_algo)
+
+    return RoutingService(
+        pool.name, policy, hasher, metrics,
+        follow_events=topology.kv_events.enabled,
+        max_index_entries=spec.max_index_entries, history_ttl_s=spec.history_ttl_s,
+        prior_tokens_per_s=spec.prefill_tokens_per_s,
+        in_flight_cost_tokens=spec.in_flight_cost_tokens)
+
+
+def _waker(handle: DeploymentHandle):
+    async def wake() -> None:
+        await handle.wake.remote()
+
+    return wake
+
+
+class Gateway:
+    """Serve deployment class of the ingress. Holds no state that another replica needs."""
+
+    async def __init__(self, topology: dict[str, Any], pools: dict[str, DeploymentHandle]) -> None:
+        self._topology = topology_ = Topology.model_validate(topology)
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        registry = CollectorRegistry()
+        tenants = Tenants.from_topology(topology_)
+        metrics = GatewayMetrics(registry, tenants.names)
+        admission = Admission(topology_, metrics, tenants)
+        secret = await asyncio.to_thread(channel_secret, topology_.name)
+        counter = await asyncio.to_thread(PromptTokenCounter, topology_.model.resolved_path)
+        self._directory = ReplicaDirectory(topology_.name)
+        router_metrics = RouterMetrics(registry)
+        self._pools = {pool.name: PoolDispatcher(
+            pool.name, routing_service(topology_, pool, router_metrics),
+            pool.max_ongoing_requests, secret, replica_id, _waker(pools[pool.name]),
+            self._directory) for pool in topology_.pools}
+        transfers = None
+        flow: Flow
+        roles = {pool.name: pool.role for pool in topology_.pools}
+        unified = [p for name, p in self._pools.items() if roles[name] == "unified"]
+        if unified:
+            flow = UnifiedFlow(unified[0])
+        else:
+            transfers = TransferMetrics(registry)
+            flow = DisaggregatedFlow(
+                next(p for name, p in self._pools.items() if roles[name] == "prefill"),
+                next(p for name, p in self._pools.items() if roles[name] == "decode"),
+                topology_.disaggregation, transfers)
+        gateway = topology_.gateway
+        admin = Admin(topology_.name, self._pools, self._directory, registry, replica_id,
+                      gateway.route_prefix, transfers)
+        self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter)
+        self._server = HttpServer(routes.handle, gateway.max_body_bytes)
+        self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")
+        await self._server.start(gateway.host, gateway.port)
+        logger.info("gateway %s serving on %s:%d", replica_id, gateway.host, gateway.port)
+
+    async def check_health(self) -> None:
+        if self._directory_task.done():
+            raise RuntimeError(f"replica directory stopped: {self._directory_task!r}")
+
+    async def __del__(self) -> None:
+        """Stop taking connections, let the requests in flight finish (within the drain
+        timeout), then let go of the replicas."""
+        self._server.close()
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self._routes.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self._directory_task.cancel()
+        for pool in self._pools.values():
+            pool.close()

@@ -1,0 +1,118 @@
+"""Answers the client from a replica's reply: bytes in, bytes out.
+
+A whole reply is sent as it came. A streamed reply's bytes are written to the client socket by
+the channel's callback as each frame arrives (no task wakes per token), and the frames that carry
+tokens are timed: the first gives the time to first token, the rest the gaps between tokens.
+The deadline is one of inactivity: a stream may last as long as it keeps producing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from channel.client import LinkLost, ReplyFailed, ReplyStream
+from channel.frames import Head, Usage
+from orchestrator.gateway.errors import GatewayError
+from orchestrator.gateway.http import Responder
+
+
+@dataclass(slots=True)
+class Call:
+    """One admitted OpenAI request on its way through a flow (see gateway.flows)."""
+
+    request_id: str
+    endpoint: str  # "completions" or "chat"
+    body: dict[str, Any]
+    tokens: list[int] | None  # the prompt's token ids, when they were counted
+    responder: Responder
+    started: float  # time.monotonic() at arrival
+    timeout_s: float  # deadline for the first reply, and for each gap in a stream
+    first_token_s: float | None = None  # time to first token (streams)
+    gaps: list[float] = field(default_factory=list)  # between streamed tokens
+    replica: str = ""
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout_s
+
+    def headers(self, replica: str) -> dict[str, str]:
+        return {"x-request-id": self.request_id, "x-tokenfab-replica": replica}
+
+
+async def relay(call: Call, stream: ReplyStream, head: Head,
+                on_first_token: Callable[[], None] | None = None) -> Usage | None:
+    """Answer `call` with the reply whose head came; its usage (None if it broke off)."""
+    call.replica = head.replica_id
+    if not head.streaming:
+        usage = await _end(stream, call.timeout_s)
+        call.responder.send(head.status, stream.body(), call.headers(head.replica_id))
+        return usage
+    responder, clock = call.responder, _TokenClock(call, on_first_token)
+
+    def sink(chunk: bytes, token: bool) -> None:
+        responder.write(chunk)
+        clock.tick(token)
+
+    responder.start_stream(head.status, call.headers(head.replica_id))
+    stream.attach(sink)
+    try:
+        usage = await _end(stream, call.timeout_s, clock)
+    except GatewayError as exc:  # headers are sent: report the failure in-stream
+        responder.write(exc.sse())
+        usage = None
+    responder.end_stream()
+    return usage
+
+
+async def _end(stream: ReplyStream, timeout_s: float, clock: _TokenClock | None = None
+               ) -> Usage:
+    """The reply's usage once it ended; waits while it keeps sending (a gap over `timeout_s`
+    is a timeout)."""
+    try:
+        while True:
+            last = clock.last_activity if clock is not None else time.monotonic()
+            wait = last + timeout_s - time.monotonic()
+            if wait <= 0:
+                stream.cancel()
+                raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s")
+            try:
+                return await asyncio.wait_for(asyncio.shield(stream.end), wait)
+            except asyncio.TimeoutError:
+                if clock is None:
+                    stream.cancel()
+                    raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s")
+    except ReplyFailed as exc:
+        raise GatewayError(503, f"engine replica failed: {exc}; retry") from exc
+    except LinkLost as exc:
+        raise GatewayError(503, "engine replica unavailable; retry") from exc
+    except BaseException:
+        stream.cancel()  # the client left (cancelled): abort the engine's request
+        raise
+
+
+class _TokenClock:
+    """Times the token-carrying frames of a stream, as they reach the client."""
+
+    __slots__ = ("_call", "_on_first", "_last_token", "last_activity")
+
+    def __init__(self, call: Call, on_first_token: Callable[[], None] | None) -> None:
+        self._call, self._on_first = call, on_first_token
+        self._last_token: float | None = None
+        self.last_activity = time.monotonic()
+
+    def tick(self, token: bool) -> None:
+        now = time.monotonic()
+        self.last_activity = now
+        if not token:
+            return
+        if self._last_token is None:
+            self._call.first_token_s = now - self._call.started
+            if self._on_first is not None:
+                self._on_first()
+        else:
+            self._call.gaps.append(now - self._last_token)
+        self._last_token = now

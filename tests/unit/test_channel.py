@@ -1,0 +1,180 @@
+"""The data channel over real loopback sockets: framing, authentication, multiplexed streams,
+refusals, cancellation both ways, failures, and what the replica learns from gateways."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from channel import frames
+from channel.client import LinkLost, ReplicaLink, ReplyFailed
+from channel.frames import FrameReader, Head, Kind, Refused, Request, Usage
+from tests.unit.replicas import SECRET, ScriptedReplica, Step, streamed, whole
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+async def linked(replica: ScriptedReplica, secret: bytes = SECRET) -> ReplicaLink:
+    await replica.start()
+    link = ReplicaLink(replica.name, "127.0.0.1", replica.port, secret, "gw-1")
+    await link.connect()
+    return link
+
+
+def request(prompt: str = "hi") -> Request:
+    return Request("completions", json.dumps({"model": "m", "prompt": prompt}).encode())
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_frames_cut_from_any_split_of_the_bytes() -> None:
+    sent = [(Kind.HEAD, 3, frames.encode(Head(200, True, "r"))), (Kind.TOKEN, 3, b"data: x\n\n"),
+            (Kind.END, 3, frames.encode(Usage(5, 2, 1))), (Kind.CANCEL, 9, b"")]
+    wire = b"".join(frames.frame(kind, stream, payload) for kind, stream, payload in sent)
+    for cut in range(len(wire)):
+        reader = FrameReader()
+        got = list(reader.feed(wire[:cut])) + list(reader.feed(wire[cut:]))
+        assert got == [(int(k), s, p) for k, s, p in sent]
+    assert frames.decode(Kind.END, sent[2][2]) == Usage(5, 2, 1)
+
+
+def test_oversized_or_garbled_frames_are_protocol_errors() -> None:
+    with pytest.raises(frames.ProtocolError):
+        list(FrameReader().feed(frames.HEADER.pack(frames.MAX_PAYLOAD + 1, 1, Kind.DATA)))
+    with pytest.raises(frames.ProtocolError):
+        frames.decode(Kind.HEAD, b"\x01\x02")
+
+
+def test_a_whole_reply_and_a_stream_share_one_link() -> None:
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", whole(200, {"text": "a"}, Usage(3, 1, 0)),
+                                  streamed(b"data: 1\n\n", b"data: 2\n\n", usage=Usage(3, 2, 0)))
+        link = await linked(replica)
+        first, second = link.open(request("a")), link.open(request("b"))
+        assert await first.head == Head(200, False, "r1")
+        assert await first.end == Usage(3, 1, 0) and json.loads(first.body()) == {"text": "a"}
+        assert await second.head == Head(200, True, "r1")
+        got: list[tuple[bytes, bool]] = []
+        second.attach(lambda chunk, token: got.append((chunk, token)))
+        assert await second.end == Usage(3, 2, 0)
+        assert got == [(b"data: 1\n\n", True), (b"data: 2\n\n", True),
+                       (b"data: [DONE]\n\n", False)]
+        assert [r[1]["prompt"] for r in replica.requests] == ["a", "b"]
+        assert link.open_streams == 0 and replica.in_flight == 0
+    run(scenario())
+
+
+def test_wrong_secret_closes_the_connection() -> None:
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", whole(200, {}))
+        link = await linked(replica, secret=b"x" * 32)
+        stream = link.open(request())
+        with pytest.raises(LinkLost):
+            await stream.head
+        assert link.state == "closed" and replica.requests == []
+    run(scenario())
+
+
+def test_full_or_draining_replica_refuses_without_starting() -> None:
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", [Step("head", 200, True), Step("hang")], capacity=1)
+        link = await linked(replica)
+        busy = link.open(request())
+        assert isinstance(await busy.head, Head)
+        assert await link.open(request()).head == Refused("full")
+        replica.server.set_state("draining")
+        await until(lambda: link.state == "draining")
+        replica.state = "draining"
+        assert await link.open(request()).head == Refused("draining")
+        assert len(replica.requests) == 1  # refused requests never reached the handler
+    run(scenario())
+
+
+def test_cancel_stops_the_replicas_handler_and_frees_its_slot() -> None:
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", [Step("head", 200, True), Step("hang")])
+        link = await linked(replica)
+        stream = link.open(request())
+        await stream.head
+        assert replica.in_flight == 1
+        stream.cancel()
+        await until(lambda: replica.outcomes == ["cancelled"])
+        assert replica.in_flight == 0
+        with pytest.raises(LinkLost):
+            await stream.end
+    run(scenario())
+
+
+def test_gateway_going_away_cancels_its_requests() -> None:
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", [Step("head", 200, True), Step("hang")])
+        link = await linked(replica)
+        await link.open(request()).head
+        link.close()
+        await until(lambda: replica.outcomes == ["cancelled"])
+        assert replica.in_flight == 0 and replica.server.gateways() == 0
+    run(scenario())
+
+
+def test_replica_failures_reach_the_stream() -> None:
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", [Step("head", 200, True), Step("fail")],
+                                  [Step("head", 200, True), Step("raise")],
+                                  [Step("head", 200, True), Step("hang")])
+        link = await linked(replica)
+        for _ in range(2):  # the engine failed / the handler raised: FAILED after the head
+            stream = link.open(request())
+            await stream.head
+            with pytest.raises(ReplyFailed):
+                await stream.end
+        stream = link.open(request())
+        await stream.head
+        replica.server.close()  # the replica process dies: the connection drops
+        with pytest.raises(LinkLost):
+            await stream.end
+        assert link.state == "closed"
+        with pytest.raises(LinkLost):
+            link.open(request())
+    run(scenario())
+
+
+def test_replica_hears_held_counts_from_every_gateway() -> None:
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", whole(200, {}))
+        first = await linked(replica)
+        second = ReplicaLink("r1", "127.0.0.1", replica.port, SECRET, "gw-2")
+        await second.connect()
+        first.send_held(3)
+        second.send_held(2)
+        await until(lambda: replica.server.held() == 5)
+        second.close()
+        await until(lambda: replica.server.held() == 3)
+    run(scenario())
+
+
+def test_frames_of_one_loop_turn_leave_in_one_write() -> None:
+    """Many streams answered in the same turn of the replica's loop: one write (the engine
+    answers all running requests in the same step)."""
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", whole(200, {"ok": 1}))
+        link = await linked(replica)
+        writes = []
+        await until(lambda: replica.server.gateways() == 1)
+        connection = next(iter(replica.server._connections))
+        transport = connection._transport
+        original = transport.write
+        transport.write = lambda data: (writes.append(len(data)), original(data))
+        streams = [link.open(request(str(i))) for i in range(20)]
+        for stream in streams:
+            await stream.end
+        assert len(writes) <= 4, writes  # 60 frames (head, data, end x 20)
+    run(scenario())

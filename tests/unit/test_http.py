@@ -1,0 +1,171 @@
+"""The gateway's HTTP/1.1 server on real loopback sockets: keep-alive and pipelining in order,
+chunked request bodies, streamed (chunked) replies, size limits, malformed requests, HTTP/1.0,
+and a client that leaves cancelling its request's handler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from orchestrator.gateway.http import HttpRequest, HttpServer, Responder
+
+
+class App:
+    """Echoes requests; /stream streams three chunks; /hang waits until cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def __call__(self, request: HttpRequest, responder: Responder) -> None:
+        if request.path == "/stream":
+            responder.start_stream(200, {"x-kind": "sse"})
+            for i in range(3):
+                await asyncio.sleep(0.01)
+                responder.write(b"data: %d\n\n" % i)
+            responder.end_stream()
+        elif request.path == "/hang":
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        elif request.path == "/boom":
+            raise RuntimeError("a bug")
+        else:
+            body = {"method": request.method, "path": request.path, "query": request.query,
+                    "body": request.body.decode(), "too_large": request.too_large,
+                    "agent": request.headers.get("user-agent")}
+            responder.send(200, json.dumps(body).encode())
+
+
+async def serving(max_body: int = 1024) -> tuple[HttpServer, App, int]:
+    app = App()
+    server = HttpServer(app, max_body)
+    return server, app, await server.start("127.0.0.1", 0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+async def raw(port: int, data: bytes, read_until_close: bool = True) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    out = await reader.read() if read_until_close else await reader.read(65536)
+    writer.close()
+    return out
+
+
+def test_keep_alive_json_and_streams_with_a_real_client() -> None:
+    async def scenario() -> None:
+        server, _, port = await serving()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", trust_env=False) as c:
+            for i in range(3):  # one connection, kept alive
+                reply = await c.post(f"/echo?i={i}", content=b"x" * i)
+                assert reply.json()["query"] == f"i={i}" and reply.json()["body"] == "x" * i
+            async with c.stream("GET", "/stream") as reply:
+                assert reply.headers["transfer-encoding"] == "chunked"
+                assert reply.headers["x-kind"] == "sse"
+                assert [line async for line in reply.aiter_lines() if line] == [
+                    "data: 0", "data: 1", "data: 2"]
+
+            async def chunks():
+                yield b"ab"
+                yield b"cd"
+
+            assert (await c.post("/echo", content=chunks())).json()["body"] == "abcd"
+        server.close()
+    run(scenario())
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    async def scenario() -> None:
+        server, _, port = await serving()
+        requests = b"".join(b"GET /r%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3))
+        out = await raw(port, requests + b"GET /last HTTP/1.1\r\nconnection: close\r\n\r\n")
+        paths = [json.loads(part.split(b"\r\n\r\n", 1)[1].split(b"HTTP/1.1")[0])["path"]
+                 for part in out.split(b"HTTP/1.1 200 OK")[1:]]
+        assert paths == ["/r0", "/r1", "/r2", "/last"]
+        server.close()
+    run(scenario())
+
+
+def test_oversized_body_is_flagged_and_the_connection_closed() -> None:
+    async def scenario() -> None:
+        server, _, port = await serving(max_body=10)
+        body = b"y" * 100
+        out = await raw(port, b"POST /echo HTTP/1.1\r\ncontent-length: %d\r\n\r\n%s" % (
+            len(body), body))  # read until close: the server closes after answering
+        assert json.loads(out.split(b"\r\n\r\n", 1)[1]) | {} == {
+            "method": "POST", "path": "/echo", "query": "", "body": "", "too_large": True,
+            "agent": None}
+        assert b"connection: close" in out
+        server.close()
+    run(scenario())
+
+
+@pytest.mark.parametrize("request_bytes,status", [
+    (b"NOT HTTP AT ALL\r\n\r\n", b"400"),
+    (b"GET / HTTP/1.1\r\nx-big: " + b"z" * (70 << 10) + b"\r\n\r\n", b"431"),
+    (b"GET / HTTP/1.1\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n", b"400"),
+], ids=["garbage", "headers-too-large", "upgrade"])
+def test_malformed_requests_get_an_error_and_a_closed_connection(request_bytes: bytes,
+                                                                 status: bytes) -> None:
+    async def scenario() -> None:
+        server, _, port = await serving()
+        out = await raw(port, request_bytes)
+        assert out.startswith(b"HTTP/1.1 " + status)
+        assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == int(status)
+        server.close()
+    run(scenario())
+
+
+def test_a_handler_bug_is_a_500_and_the_server_keeps_serving() -> None:
+    async def scenario() -> None:
+        server, _, port = await serving()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", trust_env=False) as c:
+            assert (await c.get("/boom")).status_code == 500
+            assert (await c.get("/fine")).json()["path"] == "/fine"
+        server.close()
+    run(scenario())
+
+
+def test_http10_stream_ends_with_the_connection() -> None:
+    async def scenario() -> None:
+        server, _, port = await serving()
+        out = await raw(port, b"GET /stream HTTP/1.0\r\n\r\n")
+        head, body = out.split(b"\r\n\r\n", 1)
+        assert b"transfer-encoding" not in head and b"connection: close" in head
+        assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        server.close()
+    run(scenario())
+
+
+def test_client_leaving_cancels_its_handler() -> None:
+    async def scenario() -> None:
+        server, app, port = await serving()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /hang HTTP/1.1\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.close()
+        await asyncio.wait_for(app.cancelled.wait(), 5)
+        server.close()
+    run(scenario())
+
+
+def test_two_servers_share_a_port() -> None:
+    """Ingress replicas on one node bind the same address (SO_REUSEPORT)."""
+    async def scenario() -> None:
+        first, _, port = await serving()
+        second = HttpServer(App(), 1024)
+        assert await second.start("127.0.0.1", port) == port
+        first.close()
+        async with httpx.AsyncClient(trust_env=False) as c:
+            assert (await c.get(f"http://127.0.0.1:{port}/still")).json()["path"] == "/still"
+        second.close()
+    run(scenario())

@@ -1,0 +1,1 @@
+"""Project-wide pieces every package may import (they import nothing of the project)."""
