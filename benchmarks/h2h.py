@@ -59,10 +59,6 @@ from typing import Any
 import httpx
 import numpy as np
 
-# Ray 2.60 turns token auth on for `ray start` once ~/.ray/auth_token exists (any local ray.init
-# writes one), and the dashboard client here sends no token. This cluster is loopback-only.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
 import process_cpu  # noqa: E402
 from baseline_stack import reset_prefix_caches, start_engine, start_router, stop  # noqa: E402
 from h2h_report import markdown, plot, ratios  # noqa: E402
