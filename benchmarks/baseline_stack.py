@@ -1,8 +1,14 @@
 """The baselines' serving stack: standalone vLLM OpenAI servers and a third-party router
-(sglang-router, vllm-router) in front of them, started as process groups and stopped whole."""
+(sglang-router, vllm-router) in front of them, all in one session of their own.
+
+One session is one scheduling group (Linux autogroup) for the whole stack, as `ray start` makes
+one for all of tokenfab: the systems compared share the cores with the benchmark's client in the
+same way (see h2h.py on the client's own group).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,36 +17,75 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from traces import BLOCK_TOKENS
 
+_LAUNCHER = """
+import json, os, subprocess, sys
+for line in sys.stdin:
+    spec = json.loads(line)
+    with open(spec["log"], "ab") as out:
+        child = subprocess.Popen(spec["cmd"], env=os.environ | spec["env"], stdout=out,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    print(child.pid, flush=True)
+"""
 
-def _spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    with log.open("ab") as out:
-        return subprocess.Popen(command, env=os.environ | env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
 
+class Process:
+    """A process of the stack (its leader's child), by pid."""
 
-def stop(process: subprocess.Popen) -> None:
-    """Stop a process and its whole session (vLLM's engine children included)."""
-    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        """None while it runs (as subprocess.Popen.poll)."""
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(wait_s)
-            time.sleep(1)  # let children that outlive the leader go too
-        except subprocess.TimeoutExpired:
-            continue
+            return None if psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE else 1
+        except psutil.NoSuchProcess:
+            return 1
+
+
+class Session:
+    """A session leader that starts the stack's processes on request, so all share its session."""
+
+    def __init__(self) -> None:
+        self._leader = subprocess.Popen([sys.executable, "-c", _LAUNCHER], text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        start_new_session=True)
+
+    def spawn(self, command: list[str], env: dict[str, str], log: Path) -> Process:
+        self._leader.stdin.write(json.dumps({"cmd": command, "env": env, "log": str(log)}) + "\n")
+        self._leader.stdin.flush()
+        return Process(int(self._leader.stdout.readline()))
+
+    def close(self) -> None:
+        """Stop every process of the session."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self._leader.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(5 if sig == signal.SIGTERM else 1)
+        self._leader.wait(30)
+
+
+def stop(process: Process) -> None:
+    """Stop a process and its children (vLLM's engine processes included)."""
     try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        root = psutil.Process(process.pid)
+        members = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for member in members:
+        member.terminate()
+    _, alive = psutil.wait_procs(members, timeout=60)
+    for member in alive:
+        member.kill()
 
 
-def start_engine(model: str, core: int, port: int, kv_bytes: int,
-                 logs: Path) -> subprocess.Popen:
+def start_engine(session: Session, model: str, core: int, port: int, kv_bytes: int,
+                 logs: Path) -> Process:
     """A vLLM OpenAI server on 127.0.0.1:`port`, its engine pinned to `core`; prefix caching
     and `POST /reset_prefix_cache` on, cached tokens reported in usage."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -51,11 +96,11 @@ def start_engine(model: str, core: int, port: int, kv_bytes: int,
                "--enable-prompt-tokens-details"]
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_SERVER_DEV_MODE": "1"}
-    return _spawn(command, env, logs / f"vllm-{port}.log")
+    return session.spawn(command, env, logs / f"vllm-{port}.log")
 
 
-def start_router(system: str, policy: str, port: int, metrics_port: int, workers: list[str],
-                 logs: Path) -> subprocess.Popen:
+def start_router(session: Session, system: str, policy: str, port: int, metrics_port: int,
+                 workers: list[str], logs: Path) -> Process:
     """sglang-router or vllm-router on 127.0.0.1:`port`, Prometheus on 127.0.0.1:`metrics_port`
     (sglang-router binds 0.0.0.0 unless both hosts are given)."""
     if system == "sglang-router":
@@ -65,7 +110,7 @@ def start_router(system: str, policy: str, port: int, metrics_port: int, workers
     command = launcher + ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
                           "--policy", policy, "--prometheus-host", "127.0.0.1",
                           "--prometheus-port", str(metrics_port)]
-    return _spawn(command, {}, logs / f"{system}-{policy}.log")
+    return session.spawn(command, {}, logs / f"{system}-{policy}.log")
 
 
 def _busy(url: str) -> float:
