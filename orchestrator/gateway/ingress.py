@@ -8,6 +8,7 @@ over the data channel (gateway.dispatch), not through Serve handles.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from typing import Any
@@ -75,6 +76,8 @@ class Gateway:
         admission = Admission(topology_, metrics, tenants)
         secret = await asyncio.to_thread(channel_secret, topology_.name)
         counter = await asyncio.to_thread(PromptTokenCounter, topology_.model.resolved_path)
+        # vLLM's hashing functions: a first request must not pay for importing vLLM (seconds)
+        await asyncio.to_thread(importlib.import_module, "pools.block_hasher")
         self._directory = ReplicaDirectory(topology_.name)
         router_metrics = RouterMetrics(registry)
         self._pools = {pool.name: PoolDispatcher(
