@@ -61,13 +61,13 @@ from typing import Any
 import httpx
 import numpy as np
 
-import process_cpu  # noqa: E402
-from baseline_stack import Session, reset_prefix_caches, start_engine, start_router, stop  # noqa: E402
-from h2h_report import markdown, plot, ratios  # noqa: E402
-from harness import deployed, remove  # noqa: E402
-from orchestrator import cluster  # noqa: E402
-from orchestrator.config import Topology, parse_topology  # noqa: E402
-from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, arrival_offsets,  # noqa: E402
+import process_cpu
+from baseline_stack import Session, reset_prefix_caches, start_engine, start_router, stop
+from h2h_report import markdown, plot, ratios
+from harness import deployed, remove
+from orchestrator import cluster
+from orchestrator.config import Topology, parse_topology
+from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, arrival_offsets,
                     sample_by_root, single_token_words, upper_bound_hit_rate)
 
 ROOT = Path(__file__).resolve().parents[1]
