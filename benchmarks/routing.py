@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,17 @@ from typing import Any
 import httpx
 import numpy as np
 
+from harness import deployed, remove
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
-from harness import deployed, remove
+from traces import (BLOCK_TOKENS, Prompts, arrival_offsets, sample_by_root, single_token_words,
+                    upper_bound_hit_rate)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 POLICIES = ["round_robin", "least_loaded", "prefix_approx", "kv_aware"]
-BLOCK_TOKENS, MAX_BLOCKS, ROOT_SHARE, SAMPLE_SEED = 32, 60, 0.06, 0
+ROOT_SHARE, SAMPLE_SEED = 0.06, 0
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6392",
            "dashboard_url": "http://127.0.0.1:8277", "num_cpus": 2}
 
@@ -51,58 +52,6 @@ def topology(policy: str, kv_cache: str, weights: dict[str, float] | None = None
         "gateway": {"host": "127.0.0.1", "port": 8021},
         "cluster": CLUSTER,
     }, f"routing benchmark ({policy})")
-
-
-def sample_trace() -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
-    roots = sorted({row["hash_ids"][0] for row in rows})
-    chosen = set(random.Random(SAMPLE_SEED).sample(roots, int(ROOT_SHARE * len(roots))))
-    return [row for row in rows if row["hash_ids"][0] in chosen]
-
-
-def upper_bound_hit_rate(requests: list[dict[str, Any]]) -> float:
-    """Share of prompt blocks an infinite cache shared by all replicas would serve."""
-    seen: set[int] = set()
-    hits = total = 0
-    for row in requests:
-        blocks = row["hash_ids"][:MAX_BLOCKS]
-        total += len(blocks)
-        for block in blocks:
-            if block not in seen:
-                break
-            hits += 1
-        seen.update(blocks)
-    return hits / total
-
-
-def single_token_words(model_path: str) -> list[str]:
-    """Words the tokenizer encodes as exactly one token after a space."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    words = []
-    for token_id in range(len(tokenizer)):
-        text = tokenizer.decode([token_id])
-        if text.startswith(" ") and text[1:].isalpha() and \
-                tokenizer(text, add_special_tokens=False).input_ids == [token_id]:
-            words.append(text)
-    return words
-
-
-class Prompts:
-    """Block id -> 32 words, fixed per `namespace` (a new namespace shares nothing with others)."""
-
-    def __init__(self, words: list[str], namespace: int) -> None:
-        self._words, self._namespace, self._chunks = words, namespace, {}
-
-    def chunk(self, block: int) -> str:
-        if block not in self._chunks:
-            rng = random.Random(self._namespace * 1_000_003 + block)
-            self._chunks[block] = "".join(rng.choice(self._words) for _ in range(BLOCK_TOKENS))
-        return self._chunks[block]
-
-    def prompt(self, row: dict[str, Any]) -> str:
-        return "".join(self.chunk(block) for block in row["hash_ids"][:MAX_BLOCKS])
 
 
 async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list) -> None:
@@ -128,16 +77,13 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list
 
 async def replay(base_url: str, requests: list[dict[str, Any]], prompts: Prompts,
                  rate: float) -> list[dict[str, Any]]:
-    start_ms = requests[0]["timestamp"]
-    span_s = max(1.0, (requests[-1]["timestamp"] - start_ms) / 1000)
-    scale = (len(requests) / rate) / span_s
     out: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, trust_env=False,
                                  limits=limits) as client:
         began, tasks = time.monotonic(), []
-        for row in requests:
-            at = began + (row["timestamp"] - start_ms) / 1000 * scale
+        for row, offset in zip(requests, arrival_offsets(requests, rate)):
+            at = began + offset
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             body = {"model": "tiny", "prompt": prompts.prompt(row), "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": True,
@@ -225,7 +171,7 @@ def main() -> None:
                         'JSON, e.g. {"ttft": 1, "approx_prefix": 1}')
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    requests = sample_trace()
+    requests = sample_by_root(TRACE, ROOT_SHARE, SAMPLE_SEED)
     if args.limit:
         requests = requests[:args.limit]
     weights = json.loads(args.weights) if args.weights else None

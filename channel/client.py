@@ -86,8 +86,7 @@ class ReplicaLink(asyncio.Protocol):
         self._reader = frames.FrameReader()
         self._streams: dict[int, ReplyStream] = {}
         self._ids = itertools.count(1)
-        self._out = bytearray()
-        self._flush_scheduled = False
+        self._writer = frames.FrameWriter()
         self.on_state: Callable[[ReplicaLink], None] | None = None
 
     @property
@@ -138,6 +137,7 @@ class ReplicaLink(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._writer.transport = self._transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -183,14 +183,4 @@ class ReplicaLink(asyncio.Protocol):
             self.on_state(self)
 
     def _send(self, kind: Kind, stream_id: int, payload: bytes = b"") -> None:
-        self._out += frames.HEADER.pack(len(payload), stream_id, kind)
-        self._out += payload
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        out, self._out = self._out, bytearray()
-        if out and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(out)
+        self._writer.send(kind, stream_id, payload)

@@ -70,14 +70,14 @@ class _Connection(asyncio.Protocol):
         self._server = server
         self._reader = frames.FrameReader()
         self._transport: asyncio.Transport | None = None
-        self._out = bytearray()
-        self._flush_scheduled = False
+        self._writer = frames.FrameWriter()
         self._tasks: dict[int, asyncio.Task] = {}
         self.gateway: str | None = None  # set by a valid HELLO
         self.held = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._writer.transport = self._transport
         asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._close_if_anonymous)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -135,17 +135,7 @@ class _Connection(asyncio.Protocol):
         reply.failed(f"replica failed: {error!r}" if error else "replica ended the reply early")
 
     def send(self, kind: Kind, stream: int, payload: bytes) -> None:
-        self._out += frames.HEADER.pack(len(payload), stream, kind)
-        self._out += payload
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        out, self._out = self._out, bytearray()
-        if out and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(out)
+        self._writer.send(kind, stream, payload)
 
     def close(self) -> None:
         if self._transport is not None:
