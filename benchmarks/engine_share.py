@@ -1,7 +1,7 @@
 """Give every vLLM engine of a pool a fixed share of one core, as an accelerator would be.
 
 On a GPU cluster each replica brings its own accelerator: a second replica doubles the compute
-and takes nothing from the gateway, the proxy or the other replica. On this 2-core machine an
+and takes nothing from the gateway or the other replica. On this 2-core machine an
 engine left alone takes a whole core, and two take both, so a second replica starves everything
 else. A benchmark of capacity decisions (the autoscaler's) needs the first behaviour.
 
