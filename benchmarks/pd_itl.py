@@ -177,9 +177,8 @@ def markdown(records: list[dict], transfer: list[dict], seconds: float) -> str:
              f"{INTERACTIVE_STREAMS} streaming clients ({INTERACTIVE_TOKENS} tokens each turn) plus a "
              f"~1,750-token prompt every {LONG_EVERY_S:g} s. Reproduce: `.venv/bin/python benchmarks/pd_itl.py`.",
              "ITL: each request's mean gap between tokens after the first (client side), p50/p99 over "
-             "requests; stall: each request's longest single gap. On two busy cores the HTTP relay "
-             "often hands a short answer to the client in one burst, hence ITL p50 near zero in both "
-             "setups; the p99s and stalls are where long prefills show.",
+             "requests; stall: each request's longest single gap. The p99s and stalls are where "
+             "long prefills show.",
              "", "| setup | ITL p50 (ms) | ITL p99 (ms) | stall p50 (ms) | stall p99 (ms) | "
              "TTFT p50 (ms) | TTFT p90 (ms) | output tok/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
