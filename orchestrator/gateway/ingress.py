@@ -76,14 +76,15 @@ class Gateway:
         admission = Admission(topology_, metrics, tenants)
         secret = await asyncio.to_thread(channel_secret, topology_.name)
         counter = await asyncio.to_thread(PromptTokenCounter, topology_.model.resolved_path)
-        # vLLM's hashing functions: a first request must not pay for importing vLLM (seconds)
-        await asyncio.to_thread(importlib.import_module, "pools.block_hasher")
         self._directory = ReplicaDirectory(topology_.name)
         router_metrics = RouterMetrics(registry)
         self._pools = {pool.name: PoolDispatcher(
             pool.name, routing_service(topology_, pool, router_metrics),
             pool.max_ongoing_requests, secret, replica_id, _waker(pools[pool.name]),
             self._directory) for pool in topology_.pools}
+        if any(p.service.policy.uses_prefixes for p in self._pools.values()):
+            # vLLM's hashing functions: a first request must not pay for importing vLLM (seconds)
+            await asyncio.to_thread(importlib.import_module, "pools.block_hasher")
         transfers = None
         flow: Flow
         roles = {pool.name: pool.role for pool in topology_.pools}
