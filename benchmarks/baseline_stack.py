@@ -41,7 +41,7 @@ class Process:
     def poll(self) -> int | None:
         """None while it runs (as subprocess.Popen.poll)."""
         try:
-            return None if psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE else 1
+            return None if _running(psutil.Process(self.pid)) else 1
         except psutil.NoSuchProcess:
             return 1
 
@@ -60,27 +60,49 @@ class Session:
         return Process(int(self._leader.stdout.readline()))
 
     def close(self) -> None:
-        """Stop every process of the session."""
+        """Stop every process of the session: its process group, orphans included."""
+        members = _family(self._leader.pid)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self._leader.pid, sig)
             except ProcessLookupError:
                 break
-            time.sleep(5 if sig == signal.SIGTERM else 1)
+            members = _outliving(members, timeout_s=60)
         self._leader.wait(30)
+
+
+def _running(process: psutil.Process) -> bool:
+    """Whether it still runs. The leader never reaps the processes it starts, so one that ended
+    stays a zombie (which psutil.wait_procs would wait for until its timeout)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _outliving(members: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """The members still running after up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [m for m in members if _running(m)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    """A process and all its descendants (none if it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def stop(process: Process) -> None:
     """Stop a process and its children (vLLM's engine processes included)."""
-    try:
-        root = psutil.Process(process.pid)
-        members = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
+    members = _family(process.pid)
     for member in members:
         member.terminate()
-    _, alive = psutil.wait_procs(members, timeout=60)
-    for member in alive:
+    for member in _outliving(members, timeout_s=60):
         member.kill()
 
 

@@ -39,8 +39,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback si
 from orchestrator import cluster
 from orchestrator.config import parse_topology
 from orchestrator.gateway.tenancy import hash_key
-from h2h import prioritise_client
 from harness import deployed, remove
+from machine import prioritise_client
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -255,7 +255,7 @@ def markdown(records: list[dict[str, Any]], count: int, seconds: float) -> str:
         f"req/s from {CLIENTS} closed-loop clients. tokenfab's path includes API-key auth, tenant "
         "limits, the fair queue and the routing key. The client runs in a scheduling group of "
         "its own at nice -10 and each front in a session of its own (`prioritise_client` in "
-        "h2h.py).", "",
+        "machine.py).", "",
         "| target | added p50 (ms) | added p99 (ms) | max req/s | front p50 / p99 (ms) | "
         "baseline p50 / p99 (ms) | failed under load |",
         "|---|---|---|---|---|---|---|",
@@ -288,7 +288,7 @@ def main() -> None:
     if args.in_process_baseline:
         in_process_baseline(args.in_process_baseline)
         return
-    scheduling = prioritise_client(-10)  # as h2h.py: the client is not starved by the stacks
+    scheduling = prioritise_client(-10)  # as h2h.py: the stacks do not starve the client
     print(f"scheduling: {scheduling}")
     print("baseline: the engine in-process")
     baselines = baseline(args.requests)

@@ -25,10 +25,11 @@ vLLM API servers or pool replicas; not the `VLLM::` engine processes) per output
 
 The client runs in a scheduling group of its own at a raised priority and each stack in one
 session (one group) of its own, so no system gains or loses by how it groups its processes (see
-`prioritise_client`). The machine is shared, so before each replay the script waits (up to 5 min) until processes
-outside the stack under test use under 15% of a core, and it repeats (twice at most, in a fresh
-namespace) a replay during which they used more than `--max-other-pct` (10%) of a core; each
-record keeps those shares, its attempts and the CPU of every process it saw.
+`machine.prioritise_client`). The machine is shared, so before each replay the script waits (up
+to 5 min) until processes outside the stack under test use under 15% of a core, and it repeats
+(twice at most, in a fresh namespace) a replay during which they used more than
+`--max-other-pct` (10%) of a core; each record keeps those shares, its attempts and the CPU of
+every process it saw.
 
     .venv/bin/python benchmarks/h2h.py [--rates 1.4,3.5] [--kv-cache 24MiB] [--trace FILE]
         [--systems sglang-router,vllm-router,tokenfab] [--policies round_robin,...] [--limit N]
@@ -62,9 +63,10 @@ import httpx
 import numpy as np
 
 import process_cpu
-from baseline_stack import Session, reset_prefix_caches, start_engine, start_router, stop
+from baseline_stack import Process, Session, reset_prefix_caches, start_engine, start_router, stop
 from h2h_report import markdown, plot, ratios
 from harness import deployed, remove
+from machine import check_loopback, prioritise_client, stray_processes, wait_quiet
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
 from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, arrival_offsets,
@@ -81,7 +83,6 @@ CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6393",
            "dashboard_url": "http://127.0.0.1:8281", "num_cpus": 2}
 MAX_TOKENS = 32
 RETRIES = 2  # replays repeated because processes outside the stack took the cores meanwhile
-STRAY = ("raylet", "gcs_server", "VLLM::", "vllm.entrypoints", "sglang", "vllm-router", "::router")
 
 
 @dataclass
@@ -150,7 +151,7 @@ def warm_up(url: str, requests: list[dict[str, Any]], prompts: Prompts) -> bool:
     return all(n is not None for r in results for _, n in r["chunks"])
 
 
-def wait_ready(url: str, process: Any, timeout_s: float, path: str) -> None:
+def wait_ready(url: str, process: Process | None, timeout_s: float, path: str) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -166,25 +167,6 @@ def wait_ready(url: str, process: Any, timeout_s: float, path: str) -> None:
 
 
 # --- Measuring one run ------------------------------------------------------------------------
-
-def wait_quiet(front: Front, limit_pct: float = 15.0, max_wait_s: float = 300.0) -> float:
-    """Wait (up to `max_wait_s`) until processes outside the stack under test use under
-    `limit_pct` of a core, so a test run or build elsewhere does not take the engines' cores;
-    returns their last share."""
-    deadline = time.monotonic() + max_wait_s
-    while True:
-        before = process_cpu.snapshot()
-        time.sleep(3.0)
-        after = process_cpu.snapshot()
-        procs = {proc.pid: proc for proc in after.values()}
-        categories = process_cpu.classify(procs, front.pids, os.getpid())
-        other = 100 / 3.0 * sum(used for pid, (_, used) in process_cpu.cpu_seconds(
-            before, after).items() if categories.get(pid) == "other")
-        if other < limit_pct or time.monotonic() > deadline:
-            return other
-        print(f"   waiting: other processes use {other:.0f}% of a core")
-        time.sleep(10.0)
-
 
 def measure(front: Front, requests: list[dict[str, Any]], prompts: Prompts, rate: float,
             profile: Path | None) -> dict[str, Any]:
@@ -330,7 +312,7 @@ class Bench:
         self.token_ids[name] = warm_up(front.url, self.requests,
                                        Prompts(self.words, 10_000 + setup))
         front.pids = process_cpu.port_owners(int(front.url.rsplit(":", 1)[1].split("/")[0]))
-        self.sockets[name] = check_loopback(front)
+        self.sockets[name] = check_loopback(front.pids)
         for index, rate in enumerate(self.rates):
             profile = self.profile if (self.profile and front.system == "tokenfab"
                                        and rate == max(self.rates)) else None
@@ -349,7 +331,7 @@ class Bench:
                 profile: Path | None) -> dict[str, Any]:
         if front.reset:
             front.reset()
-        quiet = wait_quiet(front)
+        quiet = wait_quiet(front.pids)
         print(f"{front.system} {front.policy} at {rate:g} req/s: replaying "
               f"{len(self.requests)} requests")
         run = measure(front, self.requests, Prompts(self.words, namespace), rate, profile)
@@ -395,71 +377,11 @@ class Bench:
             cluster.stop_ray()
 
 
-def check_loopback(front: Front) -> dict[str, Any]:
-    """Sockets the stack's processes listen on (by process name and host), and any outside
-    127.0.0.0/8."""
-    procs = {p.pid: p for p in process_cpu.snapshot().values()}
-    categories = process_cpu.classify(procs, front.pids, os.getpid())
-    ours = {pid for pid, c in categories.items() if c in ("dataplane", "engine", "background")}
-    listening: dict[str, list[str]] = {}
-    for row in process_cpu.listeners():
-        for pid in ours & set(row["pids"]):
-            key = f"{process_cpu.short_name(procs[pid].title)} {row['proto']} {row['host']}"
-            listening.setdefault(key, []).append(str(row["port"]))
-    outside = [f"{key}:{','.join(sorted(set(listening[key])))}" for key in listening
-               if not process_cpu.is_loopback(key.rsplit(" ", 1)[1])]
-    dialed = sorted({f"{process_cpu.short_name(procs[pid].title)} -> {row['peer']}"
-                     for row in process_cpu.peers() for pid in ours & set(row["pids"])
-                     if not process_cpu.is_loopback(row["host"])})
-    for line in outside + dialed:
-        print(f"   WARNING: not loopback: {line}")
-    return {"listening": {key: ",".join(sorted(set(ports))) for key, ports in listening.items()},
-            "non_loopback": outside, "connected_outside": dialed}
-
-
 def record(run: dict[str, Any], mode: str) -> dict[str, Any]:
     rate = run["rate"]
     return {"system": run["system"], "policy": run["policy"], "load": f"{rate:g} req/s",
             "rate_rps": rate, **summarize(run, mode), "namespace": run["namespace"],
             "other_cpu_pct_before": run["other_cpu_pct_before"], "attempts": run["attempts"]}
-
-
-def stray_processes() -> list[str]:
-    """Serving processes (Ray, vLLM, routers) already on the machine: they would share the cores."""
-    found = subprocess.run(["pgrep", "-af", "|".join(STRAY)], text=True, capture_output=True)
-    mine = {os.getpid(), os.getppid()}
-    return [line for line in found.stdout.splitlines() if int(line.split()[0]) not in mine]
-
-
-def prioritise_client(nice: int) -> dict[str, Any]:
-    """Give this process, the benchmark's client, a scheduling group of its own at `nice`.
-
-    The systems under test run on the same 2 cores as the client, and their engines spin. With
-    Linux autogroups (on here), each session is one scheduling group: Ray puts all of tokenfab in
-    one, and a whole stack in one group starves a client in another of CPU for up to seconds,
-    which then shows as TTFT (measured: sglang-router round robin at 3.5 req/s, TTFT p90 0.23 s
-    with each baseline process in a session of its own, 1.2-2.2 s with the whole stack in one,
-    0.11 s with the client at autogroup nice -10). So every stack gets one session of its own
-    (baseline_stack.Session, `ray start`), and the client a session at `nice`, its group's and
-    its own (the latter counts where autogroups are off)."""
-    if os.getsid(0) != os.getpid():
-        try:
-            os.setsid()
-        except PermissionError:  # a process group leader (started by a shell): start anew
-            if os.environ.get("H2H_REEXEC") != "1":
-                os.environ["H2H_REEXEC"] = "1"
-                os.execvp("setsid", ["setsid", "--wait", sys.executable, *sys.argv])
-    applied = {"client_nice": nice, "autogroup": Path("/proc/sys/kernel/sched_autogroup_enabled")
-               .read_text().strip() == "1" if Path("/proc/sys/kernel/sched_autogroup_enabled")
-               .exists() else False, "client_session_leader": os.getsid(0) == os.getpid()}
-    try:
-        Path("/proc/self/autogroup").write_text(str(nice))
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except OSError as exc:
-        print(f"WARNING: could not raise the client's priority ({exc}); its own CPU starvation "
-              "may dominate latencies")
-        applied["client_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
-    return applied
 
 
 def main() -> None:
@@ -483,7 +405,7 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="directory: py-spy the tokenfab data path "
                         "during its highest-rate replays (perturbs those records)")
     parser.add_argument("--client-nice", type=int, default=-10,
-                        help="the client's scheduling priority (see prioritise_client)")
+                        help="the client's scheduling priority (see machine.prioritise_client)")
     args = parser.parse_args()
     scheduling = prioritise_client(args.client_nice)
     began = time.monotonic()

@@ -53,13 +53,10 @@ def _f(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value * scale:.{digits}f}"
 
 
-def _scheduling(scheduling: dict[str, Any] | None) -> str:
-    if not scheduling:
-        return ("Scheduling: each baseline process in a session of its own, tokenfab's in Ray's "
-                "one session, the client unprioritised (before h2h.py isolated the client).")
+def _scheduling(scheduling: dict[str, Any]) -> str:
     return (f"Scheduling: each stack in one session of its own (one autogroup: autogroups "
             f"{'on' if scheduling['autogroup'] else 'off'}), the client in its own at nice "
-            f"{scheduling['client_nice']} (see `prioritise_client` in h2h.py).")
+            f"{scheduling['client_nice']} (see `prioritise_client` in machine.py).")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -73,7 +70,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"prefix caching on); prompts of single-token words capped at {s['max_blocks']} blocks, "
         f"{s['max_tokens']} output tokens each. Infinite-cache hit rate (bound) of the sample: "
         f"{result['bound_hit_rate']:.3f}. Run took {result['duration_s'] / 60:.1f} min.", "",
-        _scheduling(s.get("scheduling")), "",
+        _scheduling(s["scheduling"]), "",
         f"ITL: {result['itl_definition']}. `return_token_ids` passed through: "
         + ", ".join(f"{k} {'yes' if v else 'NO'}"
                     for k, v in result["token_ids_passthrough"].items()) + ".", "",
