@@ -163,7 +163,8 @@ class RouterSpec(_Strict):
     policy: Literal["kv_aware", "prefix_approx", "round_robin", "least_loaded"] = Field(
         "kv_aware",
         description="kv_aware: lowest estimated time to first token from the engines' KV events "
-        "and a TTFT model fitted online, with affinity to where the prefix was sent. "
+        "and a TTFT model fitted online, with affinity to where the prefix was sent, and new "
+        "prompts placed where the prefix caches have the most free or cold room. "
         "prefix_approx: prefix affinity from the router's own past decisions, balanced by queue "
         "length. round_robin: in turn. least_loaded: power of two choices on requests in flight "
         "(Ray Serve's default router).",
@@ -171,9 +172,9 @@ class RouterSpec(_Strict):
     weights: dict[str, float] = Field(
         default_factory=dict,
         description="Scorer weights replacing the policy's defaults (kv_aware: {ttft: 1, "
-        "approx_prefix: 1}; "
+        "approx_prefix: 1, cache_room: 1}; "
         "prefix_approx: {approx_prefix: 1, queue: 0.5}). Scorers: prefix, approx_prefix, queue, "
-        "kv_usage, ttft.",
+        "kv_usage, ttft, cache_room.",
     )
     max_in_flight: int = Field(
         64, ge=1, description="A replica with this many requests in flight takes no more "
@@ -189,8 +190,10 @@ class RouterSpec(_Strict):
     history_ttl_s: float = Field(
         300.0, gt=0, description="prefix_approx: how long a dispatched prefix counts as cached.")
     max_index_entries: int = Field(
-        10_000_000, ge=1000, description="Bound on (block, replica) pairs in the block map; the "
-        "least recently stored blocks are forgotten first.")
+        1_000_000, ge=1000, description="Bound on (block, replica) pairs in the block map of "
+        "each pool, in each ingress replica; the least recently stored blocks are forgotten "
+        "first. About 450 bytes each (tokenfab_router_index_bytes): the default is at most "
+        "0.45 GB, room for 16 replicas of 60,000 blocks.")
 
     @field_validator("weights")
     @classmethod

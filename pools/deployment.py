@@ -221,7 +221,8 @@ class PoolReplica:
             cores=self._cores.cores if self._cores else [], state=self._state, load=self._load(),
             kv_events_endpoint=self._kv_events.public if self._kv_events else None,
             kv_replay_endpoint=self._kv_events.replay if self._kv_events else None,
-            block_size=self._engine.block_size, started_s=self._started,
+            block_size=self._engine.block_size, kv_blocks=self._engine.kv_blocks,
+            started_s=self._started,
             side_channel=f"{self._side_channel.host}:{self._side_channel.port}"
             if self._side_channel else None,
             engine_start_s=self._engine_start_s, channel=self._channel_address,

@@ -91,6 +91,9 @@ class Engine(Protocol):
     a dead engine raises EngineDeadError.
     """
 
+    block_size: int  # the KV cache's block size in tokens, once started (0 before)
+    kv_blocks: int  # the KV cache's capacity in blocks, once started (0 before)
+
     async def start(self) -> None: ...
 
     def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]: ...

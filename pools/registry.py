@@ -34,6 +34,7 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
     block_size: int = 0  # KV cache block size (0 until the engine has started)
+    kv_blocks: int = 0  # KV cache capacity in blocks (0 until the engine has started)
     side_channel: str | None = None  # NIXL side channel host:port of prefill/decode engines
     started_s: float = 0.0
     engine_start_s: float = 0.0

@@ -194,6 +194,7 @@ class VllmEngine:
         self._requests: dict[Endpoint, Any] = {}
         self._error_type: type = type(None)
         self.block_size = 0  # the KV cache block size, known once started
+        self.kv_blocks = 0  # the KV cache's capacity in blocks, known once started
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -218,6 +219,7 @@ class VllmEngine:
             disable_log_stats=False,
         )
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
+        self.kv_blocks = vllm_config.cache_config.num_gpu_blocks or 0  # set by the engine core
         args = Namespace(**(vars(frontend) | vars(engine_args)))
         state = State()
         tasks = await self._llm.get_supported_tasks()

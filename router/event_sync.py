@@ -2,8 +2,10 @@
 
 Batches carry the publisher's sequence numbers. A batch that skips ahead (the router joined late,
 or the subscription dropped messages) is a gap: the missing batches are fetched from the replica's
-replay endpoint and applied first. When they cannot be fetched, the replica's entries are cleared:
-the map may then under-report what is cached there, never over-report it.
+replay endpoint and applied first. A batch that cannot be decoded is a gap of one: it may have
+removed blocks, so it is fetched again the same way. When batches cannot be fetched, the
+replica's entries are cleared: the map may then under-report what is cached there, never
+over-report it.
 
 Everything runs on the event loop that owns the map (zmq's asyncio sockets), so the map has one
 writer and needs no lock.
@@ -66,8 +68,8 @@ class ReplicaEventStream:
         self._socket.close()
 
     async def run(self) -> None:
-        """Catch up, then follow until cancelled. A bad batch is skipped and counted; it never
-        stops the stream."""
+        """Catch up, then follow until cancelled. A bad batch is recovered or, failing that,
+        clears the replica; it never stops the stream."""
         try:
             await self.catch_up()
             while True:
@@ -84,8 +86,9 @@ class ReplicaEventStream:
         late, e.g. a new ingress replica). If the oldest batches are gone, the newer ones are
         still exact for the blocks they store. Returns how many batches were applied."""
         replayed = await self._replay(self._next_seq, 2**62) or []
-        for seq, payload in replayed:
-            self._apply(seq, payload)
+        if not all(self._apply(seq, payload) for seq, payload in replayed):
+            self._clear()
+            return 0
         self.stats.caught_up += len(replayed)
         return len(replayed)
 
@@ -104,33 +107,42 @@ class ReplicaEventStream:
         applied = 0
         if seq > self._next_seq:
             applied = await self._recover(self._next_seq, seq)
-        self._apply(seq, payload)
-        return applied + 1
+        if self._apply(seq, payload):
+            return applied + 1
+        return applied + await self._recover(seq, seq + 1)  # read it again from the replay
 
-    def _apply(self, seq: int, payload: bytes) -> None:
-        self._next_seq = seq + 1
+    def _apply(self, seq: int, payload: bytes) -> bool:
+        """Apply one batch; False, with nothing applied, when it cannot be decoded."""
         try:
             batch = decode_batch(payload)
-        except ValueError as exc:  # msgspec's DecodeError: skip it, keep the order
+        except ValueError as exc:  # msgspec's DecodeError
             self.stats.malformed += 1
-            logger.warning("replica %s: skipped KV event batch %d: %s", self.replica, seq, exc)
-            return
+            logger.warning("replica %s: KV event batch %d cannot be decoded: %s", self.replica,
+                           seq, exc)
+            return False
+        self._next_seq = seq + 1
         self._index.apply(self.replica, batch)
         self.stats.batches += 1
         self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
+        return True
 
     async def _recover(self, start: int, stop: int) -> int:
         """Apply batches [start, stop) from the replay endpoint, or clear the replica."""
         replayed = await self._replay(start, stop)
-        if replayed is None or (replayed and replayed[0][0] != start) or (
-                not replayed and start < stop):
-            self._index.clear(self.replica)
-            self.stats.gaps_cleared += 1
+        complete = replayed is not None and len(replayed) == stop - start and all(
+            seq == start + i for i, (seq, _) in enumerate(replayed))
+        if not complete or not all(self._apply(seq, payload) for seq, payload in replayed):
+            self._clear()
+            self._next_seq = stop
             return 0
-        for seq, payload in replayed:
-            self._apply(seq, payload)
         self.stats.gaps_recovered += 1
         return len(replayed)
+
+    def _clear(self) -> None:
+        logger.warning("replica %s: KV events lost; its block map entries are cleared",
+                       self.replica)
+        self._index.clear(self.replica)
+        self.stats.gaps_cleared += 1
 
     async def _replay(self, start: int, stop: int) -> list[tuple[int, bytes]] | None:
         if self.replay_endpoint is None:

@@ -7,6 +7,7 @@ end (they are in flight). Each streamed first token is a sample of the pool's TT
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -99,8 +100,9 @@ class LoadTracker:
 
 class DispatchHistory:
     """Which block-hash prefixes this router sent to each replica within `ttl_s`, bounded to
-    `capacity` entries (oldest out first). The engine's evictions are not seen; the TTL bounds
-    how long a stale entry can mislead."""
+    `capacity` entries (oldest out first). Where the engines' events are followed, an eviction
+    they report removes the entry (`forget_blocks`); otherwise the TTL bounds how long a stale
+    entry can mislead."""
 
     def __init__(self, ttl_s: float = 300.0, capacity: int = 1_000_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -125,6 +127,36 @@ class DispatchHistory:
             count += 1
         return count
 
+    def forget_blocks(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
+        """The replica evicted these blocks: a prefix through them is no longer there."""
+        for block in hashes:
+            self._seen.pop((replica, block), None)
+
     def forget(self, replica: ReplicaId) -> None:
         for key in [k for k in self._seen if k[0] == replica]:
             del self._seen[key]
+
+
+class CacheChurn:
+    """Blocks each replica stored recently, from the block map's store counters: a decayed sum
+    with time constant `window_s`, about the blocks stored in the last `window_s` seconds.
+
+    A replica whose cache turns over fast evicts its blocks young; one that stores little keeps
+    them long. Where to put a new prefix costs the least future reuse is where churn is lowest.
+    Example (window 60 s): 300 blocks stored at once, read 60 s later -> 300 / e = 110.4.
+    """
+
+    def __init__(self, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._window, self._clock = window_s, clock
+        self._seen: dict[ReplicaId, tuple[int, float, float]] = {}  # counter, recent, at
+
+    def recent(self, replica: ReplicaId, stored_total: int) -> float:
+        now = self._clock()
+        counter, recent, at = self._seen.get(replica, (stored_total, 0.0, now))
+        recent = recent * math.exp(-(now - at) / self._window) + max(0, stored_total - counter)
+        self._seen[replica] = (stored_total, recent, now)
+        return recent
+
+    def forget(self, replica: ReplicaId) -> None:
+        self._seen.pop(replica, None)

@@ -26,6 +26,10 @@ class RouterMetrics:
         self.index_entries = Gauge("tokenfab_router_index_entries",
                                    "(block, replica) pairs in the block map", ["pool"],
                                    registry=registry)
+        self.index_bytes = Gauge(
+            "tokenfab_router_index_bytes",
+            "Memory of the block map: entries times router.index.BYTES_PER_ENTRY (measured)",
+            ["pool"], registry=registry)
         self.event_lag = Gauge("tokenfab_router_event_lag_seconds",
                                "Age of the newest applied KV event batch when applied (max over "
                                "replicas)", ["pool"], registry=registry)
@@ -35,5 +39,9 @@ class RouterMetrics:
                             "Sequence gaps in KV event streams, by how they were closed",
                             ["pool", "outcome"], registry=registry)
         self.replicas = Gauge("tokenfab_router_followed_replicas",
-                              "Replicas whose KV event streams are followed", ["pool"],
+                              "Replicas whose KV event streams are followed now", ["pool"],
                               registry=registry)
+        self.unfollowed = Gauge(
+            "tokenfab_router_unfollowed_replicas",
+            "Replicas publishing KV events whose stream is not followed now (restarting)",
+            ["pool"], registry=registry)

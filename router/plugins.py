@@ -28,7 +28,9 @@ class Candidate(msgspec.Struct, frozen=True):
     `cached_tokens` comes from the global KV block map (engine events); `approx_cached_tokens`
     from this router's own past decisions. `queued_prefill_tokens` is prompt work already sent to
     the replica and not yet answered with a first token. The last three fields are the replica's
-    TTFT model, fitted online (router/ttft_model.py).
+    TTFT model, fitted online (router/ttft_model.py). `cache_fill` is the demand on the
+    replica's prefix cache relative to its capacity: blocks held, plus blocks stored recently,
+    plus the prompt blocks queued there, over its KV blocks (0 when the capacity is unknown).
     """
 
     replica: ReplicaId
@@ -40,6 +42,7 @@ class Candidate(msgspec.Struct, frozen=True):
     prefill_tokens_per_s: float = 4000.0
     in_flight_cost_tokens: float = 128.0
     overhead_s: float = 0.0
+    cache_fill: float = 0.0
 
     def uncached_tokens(self, request: RouteRequest) -> int:
         return max(0, request.prompt_tokens - self.cached_tokens)

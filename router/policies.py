@@ -16,14 +16,14 @@ from router.scorers import SCORERS, OverloadFilter
 
 # Default scorer weights of each score-based policy; `router.weights` in a topology replaces them.
 DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
-    "kv_aware": {"ttft": 1.0, "approx_prefix": 1.0},
+    "kv_aware": {"ttft": 1.0, "approx_prefix": 1.0, "cache_room": 1.0},
     "prefix_approx": {"approx_prefix": 1.0, "queue": 0.5},
     "round_robin": {},
     "least_loaded": {"queue": 1.0},
 }
 POLICIES = tuple(DEFAULT_WEIGHTS)
-_PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft"})  # read the prompt's blocks
-_MAP_SCORERS = frozenset({"prefix", "ttft"})  # read the block map fed by the engines' events
+_PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft", "cache_room"})  # read the blocks
+_MAP_SCORERS = frozenset({"prefix", "ttft", "cache_room"})  # read the map fed by engine events
 
 
 @dataclass

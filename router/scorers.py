@@ -7,6 +7,8 @@ Formulas, for candidates c and request r (worked examples in each docstring):
   kv_usage       1 - c.kv_usage
   ttft           min over candidates of estimated TTFT / c's estimated TTFT, where TTFT is
                  overhead + (queued prefill + in_flight * cost + uncached) / prefill tokens/s
+  cache_room     new * (1 + min fill) / (1 + c.cache_fill), where new is the share of the
+                 prompt no candidate holds
 """
 
 from __future__ import annotations
@@ -84,6 +86,26 @@ class TTFTScorer:
         return [best / estimate if estimate > 0 else 1.0 for estimate in estimates]
 
 
+class CacheRoomScorer:
+    """Where a new prefix costs the least future reuse: the replica whose prefix cache has the
+    most free or cold room (lowest `cache_fill`: blocks held, stored recently and queued, over
+    capacity). It counts as much as the prompt is new: a prompt held whole somewhere scores 0
+    everywhere, so affinity and load alone decide where it goes.
+
+    Example: fill [1.5, 0.5], nothing held anywhere -> room [(1 + 0.5) / (1 + 1.5), 1] =
+    [0.6, 1.0]; the same with 75% of the prompt held on a -> 0.25 x room = [0.15, 0.25].
+    """
+
+    name = "cache_room"
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        total = request.prompt_tokens
+        held = max((max(c.cached_tokens, c.approx_cached_tokens) for c in candidates), default=0)
+        new = 1.0 - min(1.0, held / total) if total else 0.0
+        low = min((c.cache_fill for c in candidates), default=0.0)
+        return [new * (1.0 + low) / (1.0 + c.cache_fill) for c in candidates]
+
+
 class OverloadFilter:
     """Drops replicas with `max_in_flight` or more requests in flight, so no prefix, however hot,
     piles more onto a saturated replica; keeps everyone when all are saturated.
@@ -102,4 +124,4 @@ class OverloadFilter:
 
 
 SCORERS = {cls.name: cls for cls in (PrefixScorer, ApproxPrefixScorer, QueueScorer,
-                                     KVUsageScorer, TTFTScorer)}
+                                     KVUsageScorer, TTFTScorer, CacheRoomScorer)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,8 +19,8 @@ import zmq.asyncio
 
 from router.event_sync import ReplicaEventStream
 from router.hashing import BlockHasher
-from router.index import KVBlockIndex, ReplicaId
-from router.load import DispatchHistory, LoadTracker
+from router.index import BYTES_PER_ENTRY, DEFAULT_MAX_ENTRIES, KVBlockIndex, ReplicaId
+from router.load import CacheChurn, DispatchHistory, LoadTracker
 from router.metrics import RouterMetrics
 from router.plugins import Candidate, RouteRequest
 from router.policies import Policy
@@ -34,15 +35,19 @@ RESTART_DELAY_S = 1.0  # a replica's stream that stopped on an error is followed
 class RoutingService:
     def __init__(self, pool: str, policy: Policy,
                  hasher_factory: Callable[[int], BlockHasher], metrics: RouterMetrics | None = None,
-                 *, follow_events: bool = True, max_index_entries: int = 10_000_000,
+                 *, follow_events: bool = True, max_index_entries: int = DEFAULT_MAX_ENTRIES,
                  history_ttl_s: float = 300.0, prior_tokens_per_s: float = 4000.0,
-                 in_flight_cost_tokens: float = 128.0) -> None:
+                 in_flight_cost_tokens: float = 128.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pool, self.policy = pool, policy
         self._hasher_factory, self._metrics = hasher_factory, metrics
         self._follow_events = follow_events and policy.reads_block_map  # else nothing reads them
-        self._index = KVBlockIndex(max_index_entries)
-        self._tracker = LoadTracker(TTFTModel(prior_tokens_per_s, in_flight_cost_tokens))
-        self._history = DispatchHistory(history_ttl_s)
+        self._history = DispatchHistory(history_ttl_s, clock=clock)
+        # an eviction the engine reports ends the affinity this router remembers for the block
+        self._index = KVBlockIndex(max_index_entries, on_removed=self._history.forget_blocks)
+        self._tracker = LoadTracker(TTFTModel(prior_tokens_per_s, in_flight_cost_tokens,
+                                              clock=clock), clock=clock)
+        self._churn = CacheChurn(clock=clock)
         self._views: dict[ReplicaId, ReplicaView] = {}
         self._streams: dict[ReplicaId, ReplicaEventStream] = {}
         self._tasks: dict[ReplicaId, asyncio.Task] = {}
@@ -114,24 +119,37 @@ class RoutingService:
         hashes, block, prompt = key.block_hashes, key.block_size, key.prompt_tokens
         held = self._index.longest_prefix(hashes) if hashes else {}
         approx = "approx_prefix" in self.policy.weights and bool(hashes)
+        room = "cache_room" in self.policy.weights
         tracker, views, history = self._tracker, self._views, self._history
         out = []
         for replica in replicas:
             view = views.get(replica)
             model = tracker.ttft_params(replica)
+            queued = tracker.queued_prefill_tokens(replica)
             out.append(Candidate(
                 replica=replica,
                 cached_tokens=min(held.get(replica, 0) * block, prompt),
                 approx_cached_tokens=min(history.cached_blocks(replica, hashes) * block, prompt)
                 if approx else 0,
-                queued_prefill_tokens=tracker.queued_prefill_tokens(replica),
+                queued_prefill_tokens=queued,
                 in_flight=max(tracker.in_flight(replica), view.in_flight if view else 0),
                 kv_usage=view.kv_usage if view else 0.0,
                 prefill_tokens_per_s=model.tokens_per_s,
                 in_flight_cost_tokens=model.in_flight_cost_tokens,
                 overhead_s=model.overhead_s,
+                cache_fill=self._cache_fill(replica, view, queued // max(block, 1)) if room else 0.0,
             ))
         return out
+
+    def _cache_fill(self, replica: ReplicaId, view: ReplicaView | None, queued: int) -> float:
+        """Blocks held, stored in about the last minute, and queued, over the replica's capacity.
+
+        Example: 300 of 350 blocks held, 400 stored lately, 50 queued -> 750 / 350 = 2.14."""
+        if view is None or not view.kv_blocks:
+            return 0.0
+        held = self._index.blocks_of(replica)
+        churn = self._churn.recent(replica, self._index.stored_by(replica))
+        return (held + churn + queued) / view.kv_blocks
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -153,6 +171,7 @@ class RoutingService:
                 "prefill_tokens_per_s": round(float(c.prefill_tokens_per_s), 1),
                 "in_flight_cost_tokens": round(float(c.in_flight_cost_tokens), 1),
                 "overhead_s": round(float(c.overhead_s), 4),
+                "cache_fill": round(float(c.cache_fill), 4),
                 "estimated_ttft_s": round(float(c.estimated_ttft_s(request)), 6),
                 "score": round(float(scored.scores.get(c.replica, 0.0)), 6),
             } for c in candidates],
@@ -166,7 +185,10 @@ class RoutingService:
             stats = stream.stats if stream else None
             out[replica] = {
                 "cached_blocks": self._index.blocks_of(replica),
+                "kv_blocks": view.kv_blocks,
+                "events": self._stream_state(replica),
                 "event_batches": stats.batches if stats else 0,
+                "malformed_batches": stats.malformed if stats else 0,
                 "gaps_recovered": stats.gaps_recovered if stats else 0,
                 "caught_up": stats.caught_up if stats else 0,
                 "gaps_cleared": stats.gaps_cleared if stats else 0,
@@ -178,6 +200,24 @@ class RoutingService:
 
     def index_entries(self) -> int:
         return len(self._index)
+
+    def stream_health(self) -> dict[str, int]:
+        """How many replicas' event streams are followed now, and how many should be."""
+        expected = [r for r, v in self._views.items() if v.kv_events_endpoint] \
+            if self._follow_events else []
+        following = sum(self._stream_state(r) == "following" for r in expected)
+        return {"expected": len(expected), "following": following}
+
+    def _stream_state(self, replica: ReplicaId) -> str:
+        """following, restarting (stopped on an error, followed anew shortly) or off (the
+        policy reads no block map, or the replica publishes no events)."""
+        task = self._tasks.get(replica)
+        if task is not None and not task.done():
+            return "following"
+        view = self._views.get(replica)
+        if self._follow_events and view is not None and view.kv_events_endpoint:
+            return "restarting"
+        return "off"
 
     # -- the replicas and their event streams -------------------------------------------------
 
@@ -228,6 +268,7 @@ class RoutingService:
         self._index.drop_replica(replica)
         self._tracker.forget(replica)
         self._history.forget(replica)
+        self._churn.forget(replica)
         self._counted.pop(replica, None)
 
     def stop(self) -> None:
@@ -262,7 +303,10 @@ class RoutingService:
             self._metrics.cached_blocks.labels(self.pool, replica).set(
                 self._index.blocks_of(replica))
         self._metrics.index_entries.labels(self.pool).set(len(self._index))
-        self._metrics.replicas.labels(self.pool).set(len(self._streams))
+        self._metrics.index_bytes.labels(self.pool).set(len(self._index) * BYTES_PER_ENTRY)
+        health = self.stream_health()
+        self._metrics.replicas.labels(self.pool).set(health["following"])
+        self._metrics.unfollowed.labels(self.pool).set(health["expected"] - health["following"])
 
 
 def _request(key: RouteKey) -> RouteRequest:

@@ -5,13 +5,21 @@
 `work` is the prefill queued on replica r plus the request's own uncached tokens, `busy` the
 requests already running there (their decode steps share every engine step with the prefill).
 `overhead`, `1/P` and `c/P` are one least-squares fit per pool, with recent samples weighted
-most and a prior worth one sample; `speed(r)` is the replica's observed / predicted time, summed
-over its recent samples and shrunk toward 1, so a slower node or a noisy neighbour shows while
-noise on a few samples does not unbalance identical replicas.
+most and a prior worth one sample. `speed(r)` is how much slower than predicted the replica's
+recent first tokens came: the mean of their log ratios observed / predicted, each clipped to a
+factor of 3 and shrunk toward 1 by a prior worth 5 samples, so a slower node or a noisy
+neighbour shows after a few samples while one outlier moves it by 20% at most.
+
+A replica's speed evidence also fades with time (`speed_half_life_s`), back toward the pool's
+law. Without that, a replica that once measured slow is never chosen while the others are idle,
+so it never gets the sample that would clear it: exploitation without exploration.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,8 +40,9 @@ class TTFTParams:
 
 @dataclass
 class _Speed:
-    observed: float = 0.0
-    predicted: float = 0.0
+    log_ratio: float = 0.0  # decayed sum of clipped log(observed / predicted)
+    weight: float = 0.0  # decayed number of samples
+    at: float = 0.0  # when the last sample came
 
 
 @dataclass
@@ -42,7 +51,10 @@ class TTFTModel:
     prior_in_flight_cost_tokens: float = 128.0
     prior_overhead_s: float = 0.02
     decay: float = 0.98  # weight of the previous samples at each new one (about 50 samples)
-    speed_prior_s: float = 2.0  # seconds of "as predicted" each replica's speed starts with
+    speed_prior_samples: float = 5.0  # samples of "as predicted" each replica's speed starts with
+    speed_clip: float = 3.0  # one sample counts as at most this many times slower or faster
+    speed_half_life_s: float = 30.0  # a replica's speed evidence halves in weight this often
+    clock: Callable[[], float] = time.monotonic
     samples: int = 0
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(3))
@@ -60,8 +72,13 @@ class TTFTModel:
         x = np.array([1.0, work_tokens / _SCALE, float(busy)])
         predicted = float(x @ self._theta)
         speed = self._speeds.setdefault(replica, _Speed())
-        speed.observed = self.decay * speed.observed + elapsed_s
-        speed.predicted = self.decay * speed.predicted + max(predicted, 1e-6)
+        now = self.clock()
+        fade = self.decay * self._fade(speed, now)
+        clip = math.log(self.speed_clip)
+        ratio = math.log(max(elapsed_s, 1e-6) / max(predicted, 1e-6))
+        speed.log_ratio = fade * speed.log_ratio + min(clip, max(-clip, ratio))
+        speed.weight = fade * speed.weight + 1.0
+        speed.at = now
         self._gram = self.decay * self._gram + np.outer(x, x)
         self._moment = self.decay * self._moment + x * elapsed_s
         self.samples += 1
@@ -76,12 +93,20 @@ class TTFTModel:
         return theta
 
     def speed(self, replica: ReplicaId) -> float:
-        """Observed over predicted time of the replica's recent samples, shrunk toward 1."""
+        """How many times slower than predicted the replica's recent first tokens came.
+
+        Example (prior 5 samples, clip 3, half-life 30 s): one sample took 1.0 s where 0.15 s
+        was predicted -> exp(log 3 / (1 + 5)) = 1.20 at once, exp(0.5 log 3 / (0.5 + 5)) = 1.105
+        30 s later.
+        """
         s = self._speeds.get(replica)
         if s is None:
             return 1.0
-        ratio = (s.observed + self.speed_prior_s) / (s.predicted + self.speed_prior_s)
-        return min(4.0, max(0.25, ratio))
+        fade = self._fade(s, self.clock())
+        return math.exp(fade * s.log_ratio / (fade * s.weight + self.speed_prior_samples))
+
+    def _fade(self, speed: _Speed, now: float) -> float:
+        return 0.5 ** (max(0.0, now - speed.at) / self.speed_half_life_s)
 
     def params(self, replica: ReplicaId) -> TTFTParams:
         overhead, per_k, per_busy = self._theta

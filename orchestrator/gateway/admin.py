@@ -20,6 +20,7 @@ from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.http import HttpRequest, Responder
 from kvtransfer.metrics import TransferMetrics
+from router.index import BYTES_PER_ENTRY
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.admin")
 
@@ -65,7 +66,9 @@ class Admin:
         responder.send(200, _encode({self._route_prefix: self._app}))
 
     async def _ready(self, responder: Responder) -> None:
-        """200 when every pool has a ready replica; 503 naming the pools that have none."""
+        """200 when every pool has a ready replica; 503 naming the pools that have none. The
+        KV event streams followed per pool are reported; one that stopped (restarted shortly)
+        does not make the gateway unready: routing degrades to load meanwhile."""
         try:
             reports = await self._directory.snapshot()
         except Exception:  # noqa: BLE001 - any failure of the registry means not ready
@@ -74,7 +77,9 @@ class Admin:
         missing = [pool for pool in self._pools if not ready[pool]]
         if missing:
             return send_error(responder, 503, f"no ready replica in pool(s): {', '.join(missing)}")
-        responder.send(200, _encode({"status": "ready", "ready_replicas": dict(ready)}))
+        streams = {name: p.service.stream_health() for name, p in self._pools.items()}
+        responder.send(200, _encode({"status": "ready", "ready_replicas": dict(ready),
+                                     "kv_event_streams": streams}))
 
     async def _metrics(self, responder: Responder) -> None:
         """This ingress replica's series, then every pool replica's (see pool_metrics)."""
@@ -107,7 +112,9 @@ class Admin:
         """This ingress replica, and per pool: policy, block map size, and per replica the
         blocks the map holds, the state of its event stream and the requests held."""
         pools = {name: {"policy": p.service.policy.name, "block_size": p.service.block_size(),
-                        "index_entries": p.service.index_entries(), "held": p.held,
+                        "index_entries": p.service.index_entries(),
+                        "index_bytes": p.service.index_entries() * BYTES_PER_ENTRY,
+                        "kv_event_streams": p.service.stream_health(), "held": p.held,
                         "replicas": p.service.replicas()} for name, p in self._pools.items()}
         responder.send(200, _encode({"ingress": {"pid": os.getpid(), "replica": self._replica_id},
                                      "pools": pools}))

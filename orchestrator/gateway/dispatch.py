@@ -38,7 +38,8 @@ def view_of(report: ReplicaReport) -> ReplicaView:
     return ReplicaView(
         replica=ReplicaId(report.replica_id), pool=report.pool, state=report.state,
         kv_events_endpoint=report.kv_events_endpoint, kv_replay_endpoint=report.kv_replay_endpoint,
-        block_size=report.block_size, in_flight=load.in_flight, waiting=load.waiting,
+        block_size=report.block_size, kv_blocks=report.kv_blocks, in_flight=load.in_flight,
+        waiting=load.waiting,
         kv_usage=load.kv_cache_usage, engine_cached_tokens=load.prompt_tokens_local_hit,
         engine_prompt_tokens=load.prompt_tokens_computed + load.prompt_tokens_local_hit
         + load.prompt_tokens_transferred,

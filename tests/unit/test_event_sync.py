@@ -1,6 +1,6 @@
 """Event streams against vLLM's real ZMQ publisher (in process, ipc sockets): in-order apply,
 late join and dropped subscriptions recovered through replay, clear when replay is impossible,
-a malformed batch skipped without losing the order."""
+a corrupted batch read again from the replay, or the replica cleared when it cannot be."""
 
 from __future__ import annotations
 
@@ -108,20 +108,71 @@ def test_gap_without_replay_clears_the_replica(publisher_factory) -> None:
     context.destroy()
 
 
-def test_malformed_batch_is_skipped_and_the_order_kept(tmp_path: Path) -> None:
+def stored_batch(*hashes: int) -> bytes:
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-    def batch(hashes: list[int]) -> bytes:
-        return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[BlockStored(
-            block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=16,
-            lora_id=None, medium="GPU", lora_name=None)]))
+    return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[BlockStored(
+        block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=16,
+        lora_id=None, medium="GPU", lora_name=None)]))
 
+
+def removed_batch(*hashes: int) -> bytes:
+    from vllm.distributed.kv_events import BlockRemoved, KVEventBatch
+
+    return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[BlockRemoved(
+        block_hashes=list(hashes), medium="GPU")]))
+
+
+def corrupt(payload: bytes) -> bytes:
+    return b"\x93garbage" + payload[9:]
+
+
+def test_a_corrupted_batch_is_read_again_from_the_replay(publisher_factory, tmp_path) -> None:
+    """vLLM's publisher sends store [1, 2, 3], remove [2, 3], store [4]; the second batch is
+    corrupted on its way (a relay in between). Skipping it would leave 2 and 3 in the map, which
+    the replica no longer holds; the stream fetches it again and the map is exact."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    publisher, index, context = publisher_factory(), KVBlockIndex(), zmq.asyncio.Context()
+    config, relay_context = publisher.get_publisher_config(), zmq.Context()
+    upstream = relay_context.socket(zmq.SUB)
+    upstream.setsockopt(zmq.SUBSCRIBE, b"")
+    upstream.connect(config.endpoint)
+    relay = relay_context.socket(zmq.PUB)
+    relay.bind(f"ipc://{tmp_path}/relay")
+    stream = ReplicaEventStream(R, f"ipc://{tmp_path}/relay", config.replay_endpoint, index,
+                                context)
+    time.sleep(0.3)
+    for event in (BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=[],
+                              block_size=16, lora_id=None, medium="GPU", lora_name=None),
+                  BlockRemoved(block_hashes=[2, 3], medium="GPU"),
+                  BlockStored(block_hashes=[4], parent_block_hash=None, token_ids=[],
+                              block_size=16, lora_id=None, medium="GPU", lora_name=None)):
+        publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
+    for n in range(3):
+        assert upstream.poll(5000), "the publisher sent nothing"
+        topic, seq, payload = upstream.recv_multipart()
+        relay.send_multipart((topic, seq, corrupt(payload) if n == 1 else payload))
+    drain(stream, 3)
+    assert index.longest_prefix([1, 2]) == {R: 1} and index.longest_prefix([4]) == {R: 1}
+    assert index.blocks_of(R) == 2
+    assert (stream.stats.malformed, stream.stats.gaps_recovered, stream.stats.gaps_cleared) == \
+        (1, 1, 0)
+    stream.close()
+    relay_context.destroy(linger=0)
+    context.destroy(linger=0)
+
+
+def test_a_corrupted_batch_without_replay_clears_the_replica(tmp_path: Path) -> None:
+    """The same without a replay endpoint: the map forgets the replica rather than keep blocks
+    the lost batch may have removed, and goes on with the next batches."""
     sync_context, context, index = zmq.Context(), zmq.asyncio.Context(), KVBlockIndex()
     publisher = sync_context.socket(zmq.PUB)
     publisher.bind(f"ipc://{tmp_path}/pub")
     stream = ReplicaEventStream(R, f"ipc://{tmp_path}/pub", None, index, context)
     time.sleep(0.3)
-    for seq, payload in enumerate([batch([1]), b"\x93garbage", batch([2])]):
+    batches = [stored_batch(1, 2), corrupt(removed_batch(2)), stored_batch(3)]
+    for seq, payload in enumerate(batches):
         publisher.send_multipart((b"kv-events", seq.to_bytes(8, "big"), payload))
 
     async def follow() -> None:
@@ -132,8 +183,8 @@ def test_malformed_batch_is_skipped_and_the_order_kept(tmp_path: Path) -> None:
         task.cancel()
 
     asyncio.run(follow())
-    assert (stream.stats.batches, stream.stats.malformed, stream.stats.gaps_cleared) == (2, 1, 0)
-    assert index.blocks_of(R) == 2
+    assert (stream.stats.batches, stream.stats.malformed, stream.stats.gaps_cleared) == (2, 1, 1)
+    assert index.longest_prefix([1]) == {} and index.longest_prefix([3]) == {R: 1}
     publisher.close()
     sync_context.destroy(linger=0)
     context.destroy(linger=0)

@@ -92,3 +92,34 @@ def test_matches_brute_force_model(ops, query) -> None:
             expected[replica] = depth
     assert index.longest_prefix(query) == expected
     assert len(index) == sum(len(blocks) for blocks in model.values())
+
+
+def test_bytes_per_entry_is_what_the_docs_and_the_metric_say() -> None:
+    """The worst case: every block held by one replica, the decoded hashes counted too."""
+    import os
+    import tracemalloc
+
+    from router.index import BYTES_PER_ENTRY
+
+    index = KVBlockIndex(max_entries=10**6)
+    tracemalloc.start()
+    try:
+        index.add(A, [os.urandom(32) for _ in range(20_000)], "GPU")
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert 0.75 * BYTES_PER_ENTRY <= used / len(index) <= BYTES_PER_ENTRY
+
+
+def test_removals_are_told_and_stores_counted_per_replica() -> None:
+    told: list[tuple[ReplicaId, list[int]]] = []
+    index = KVBlockIndex(on_removed=lambda replica, hashes: told.append((replica, hashes)))
+    index.add(A, [1, 2, 3], "GPU")
+    index.add(A, [2, 4], "CPU")     # 2 was held already: one new block stored
+    index.add(B, [1], "GPU")
+    index.remove(A, [2, 9])         # 9 was never held: not told
+    index.clear(B)
+    assert told == [(A, [2]), (B, [1])]
+    assert (index.stored_by(A), index.stored_by(B), index.stored_by(C)) == (4, 1, 0)
+    index.drop_replica(A)
+    assert index.stored_by(A) == 0 and told[-1][0] == A

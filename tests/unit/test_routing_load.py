@@ -3,12 +3,13 @@ dispatch history behind prefix_approx."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from router.index import ReplicaId
-from router.load import DispatchHistory, LoadTracker
+from router.load import CacheChurn, DispatchHistory, LoadTracker
 from router.ttft_model import TTFTModel
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -120,3 +121,38 @@ def test_dispatch_history_prefix_ttl_and_capacity() -> None:
     assert history.cached_blocks(A, [1, 2]) == 0  # (a, 1) is gone, so the prefix breaks there
     history.forget(B)
     assert history.cached_blocks(B, [1]) == 0
+
+
+def test_a_replica_measured_slow_once_fades_back_to_the_pool() -> None:
+    """The docstring's example: one sample took 1.0 s where 0.15 s was predicted."""
+    clock = Clock()
+    model = TTFTModel(prior_tokens_per_s=4000.0, prior_in_flight_cost_tokens=0.0,
+                      prior_overhead_s=0.02, clock=clock)
+    model.observe(A, 520, 0, 1.0)  # predicted 0.02 + 0.13 = 0.15 s
+    assert model.speed(A) == pytest.approx(math.exp(math.log(3) / 6), abs=0.001)  # 1.20
+    clock.now = 30.0
+    assert model.speed(A) == pytest.approx(math.exp(0.5 * math.log(3) / 5.5), abs=0.001)
+    clock.now = 300.0
+    assert model.speed(A) == pytest.approx(1.0, abs=0.01)
+    assert model.speed(B) == 1.0
+
+
+def test_dispatch_history_forgets_what_the_engine_evicted() -> None:
+    history = DispatchHistory()
+    history.record(A, [1, 2, 3])
+    history.record(B, [1, 2, 3])
+    history.forget_blocks(A, [2])
+    assert (history.cached_blocks(A, [1, 2, 3]), history.cached_blocks(B, [1, 2, 3])) == (1, 3)
+
+
+def test_cache_churn_counts_recent_stores_and_forgets_old_ones() -> None:
+    """The docstring's example: 300 blocks stored, read 60 s later."""
+    clock = Clock()
+    churn = CacheChurn(window_s=60.0, clock=clock)
+    assert churn.recent(A, 1000) == 0.0  # first read: the counter's history is not churn
+    clock.now = 1.0
+    assert churn.recent(A, 1300) == pytest.approx(300.0)
+    clock.now = 61.0
+    assert churn.recent(A, 1300) == pytest.approx(300.0 / math.e)
+    churn.forget(A)
+    assert churn.recent(A, 1400) == 0.0

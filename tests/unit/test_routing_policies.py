@@ -10,8 +10,8 @@ from router.index import ReplicaId
 from router.pickers import MaxScorePicker, RoundRobinPicker
 from router.plugins import Candidate, RouteRequest
 from router.policies import build_policy
-from router.scorers import (ApproxPrefixScorer, KVUsageScorer, OverloadFilter, PrefixScorer,
-                            QueueScorer, TTFTScorer)
+from router.scorers import (ApproxPrefixScorer, CacheRoomScorer, KVUsageScorer, OverloadFilter,
+                            PrefixScorer, QueueScorer, TTFTScorer)
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 REQ = RouteRequest(prompt_tokens=2048, block_size=128)
@@ -44,6 +44,16 @@ def cand(replica: str, **fields) -> Candidate:
      [(0.1 + 0.512) / (0.1 + 0.544), 1.0]),
     # A replica measured twice as fast halves its estimate.
     (TTFTScorer(), [cand("a", prefill_tokens_per_s=8000.0), cand("b")], [1.0, 0.5]),
+    # The docstring's example: a new prompt goes where the cache has the most room ...
+    (CacheRoomScorer(), [cand("a", cache_fill=1.5), cand("b", cache_fill=0.5)], [0.6, 1.0]),
+    # ... and the room counts as much as the prompt is new (75% held on a).
+    (CacheRoomScorer(), [cand("a", cache_fill=1.5, cached_tokens=1536), cand("b", cache_fill=0.5)],
+     [0.15, 0.25]),
+    # what this router sent there counts as held too; a prompt held whole scores 0 everywhere
+    (CacheRoomScorer(), [cand("a", cache_fill=3.0, approx_cached_tokens=2048), cand("b")],
+     [0.0, 0.0]),
+    # equal rooms: no preference
+    (CacheRoomScorer(), [cand("a", cache_fill=0.2), cand("b", cache_fill=0.2)], [1.0, 1.0]),
 ])
 def test_scorers(scorer, candidates, expected) -> None:
     assert scorer.score(REQ, candidates) == pytest.approx(expected, abs=1e-3)
@@ -93,6 +103,14 @@ def test_round_robin_picker_turns_by_replica_id() -> None:
                        queued_prefill_tokens=3088), cand("b")], A),
     ("kv_aware", [cand("a", cached_tokens=1536, approx_cached_tokens=1536,
                        queued_prefill_tokens=11488), cand("b")], B),
+    # a new prompt on idle replicas goes where the cache has room, not to the one measured
+    # faster: a is 20% faster but its cache is full and turning over, b's is half empty
+    ("kv_aware", [cand("a", prefill_tokens_per_s=4800.0, cache_fill=2.0),
+                  cand("b", cache_fill=0.5)], B),
+    # ... unless the faster one is much faster (twice: 0.256 s against 0.512 s, score 1 + 0.75
+    # against 0.5 + 1)
+    ("kv_aware", [cand("a", prefill_tokens_per_s=8000.0, cache_fill=1.0),
+                  cand("b", cache_fill=0.5)], A),
     # prefix_approx: 0.75 affinity vs 0.5 * queue
     ("prefix_approx", [cand("a", approx_cached_tokens=1536, in_flight=6), cand("b", in_flight=2)], A),
     ("prefix_approx", [cand("a", approx_cached_tokens=256, in_flight=6), cand("b", in_flight=2)], B),

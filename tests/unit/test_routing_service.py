@@ -5,7 +5,9 @@ ranking, replicas that leave are dropped from the map; metrics follow."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,10 +45,11 @@ def store(publisher, hashes) -> None:
         lora_id=None, medium="GPU", lora_name=None)]))
 
 
-def view(name: ReplicaId, publisher) -> ReplicaView:
+def view(name: ReplicaId, publisher, kv_blocks: int = 0) -> ReplicaView:
     config = publisher.get_publisher_config()
     return ReplicaView(replica=name, pool="main", kv_events_endpoint=config.endpoint,
-                       kv_replay_endpoint=config.replay_endpoint, block_size=BLOCK)
+                       kv_replay_endpoint=config.replay_endpoint, block_size=BLOCK,
+                       kv_blocks=kv_blocks)
 
 
 async def wait_for(condition, timeout_s: float = 5.0) -> None:
@@ -147,3 +150,83 @@ def test_two_ingress_replicas_build_the_same_map(publishers) -> None:
     finally:
         for service in services:
             service.stop()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_new_conversations_fill_both_caches_after_one_slow_sample(publishers) -> None:
+    """The light-load collapse: two idle replicas of 64 blocks, one measured slow once (1 s for
+    a 4-block prompt), then a stream of new conversation roots, each answered in 50 ms wherever
+    it goes. Judged on speed alone, every root goes to the other replica, and the slow one
+    never gets the sample that would clear it. Both caches must fill."""
+    hasher, clock = VllmBlockHasher(BLOCK), Clock()
+    service = RoutingService("main", build_policy("kv_aware", rng=random.Random(0)),
+                             VllmBlockHasher, clock=clock)
+    placed: Counter[ReplicaId] = Counter()
+
+    async def serve(request_id: str, prompt: list[int], replica: ReplicaId | None,
+                    seconds: float) -> ReplicaId:
+        key = service.route_key(request_id, prompt)
+        replica = replica or service.rank(key, [A, B])[0]
+        service.dispatched(key, replica)
+        blocks = service.replicas()[replica]["cached_blocks"]
+        store(publishers[replica], hasher.block_hashes(prompt))  # as the engine does
+        await wait_for(lambda: service.replicas()[replica]["cached_blocks"] == blocks + 4)
+        clock.now += seconds
+        service.first_token(request_id)
+        service.finished(request_id)
+        clock.now += 0.5
+        return replica
+
+    async def scenario() -> None:
+        service.set_replicas([view(A, publishers[A], 64), view(B, publishers[B], 64)])
+        await asyncio.sleep(0.5)  # the subscriptions reach the publishers
+        await serve("slow", list(range(10_000, 10_000 + 4 * BLOCK)), A, 1.0)
+        for n in range(24):
+            start = 20_000 + 1000 * n
+            placed[await serve(f"root-{n}", list(range(start, start + 4 * BLOCK)), None, 0.05)] += 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        service.stop()
+    assert min(placed[A], placed[B]) >= 8, placed
+
+
+def test_a_stream_that_fails_is_followed_anew_and_the_map_rebuilt(publishers) -> None:
+    """A batch the map cannot apply stops the replica's stream task: its entries are cleared,
+    `/ready` and `/tokenfab/router` see it restarting, and a second later it is subscribed
+    again and caught up from the replica's buffer."""
+    service = RoutingService("main", build_policy("kv_aware"), VllmBlockHasher)
+    index, failures = service._index, []
+    apply = index.apply
+
+    def apply_failing_once(replica, batch) -> None:
+        if not failures:
+            failures.append(replica)
+            raise RuntimeError("a bug in applying this batch")
+        apply(replica, batch)
+
+    index.apply = apply_failing_once
+    seen: set[str] = set()
+
+    async def scenario() -> None:
+        service.set_replicas([view(A, publishers[A])])
+        await asyncio.sleep(0.5)
+        store(publishers[A], [1, 2, 3])
+        await wait_for(lambda: bool(failures))
+        await wait_for(lambda: seen.add(service.replicas()[A]["events"]) or
+                       service.replicas()[A]["cached_blocks"] == 3)
+        assert service.stream_health() == {"expected": 1, "following": 1}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        service.stop()
+    assert seen >= {"restarting", "following"}
