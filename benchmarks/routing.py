@@ -5,10 +5,15 @@ serve a replay of `../shared/traces/synthetic_trace.jsonl`. The trace is sampled
 root (every request whose first block belongs to a seeded random 6% of roots, in trace order), so
 all prefix sharing among the sampled requests is kept; each 512-token block id becomes 32 fixed
 single-token words, prompts are capped at 60 blocks (1,920 tokens), outputs at 1/8 of the trace's
-(1..32 tokens). Arrival times are the trace's, rescaled to each target rate. Every policy gets a
-fresh deployment; every rate gets its own word mapping, so each run starts with cold caches.
+(1..32 tokens). Arrival times are the trace's, rescaled to each target rate: a light one (1 req/s,
+the replicas mostly idle), a middle one and saturation. Every policy gets a fresh deployment;
+every rate gets its own word mapping, so each run starts with cold caches.
 
-    .venv/bin/python benchmarks/routing.py [--rates 2,4,8] [--policies kv_aware,round_robin]
+Hit rates are shown against three bounds: the infinite cache shared by all replicas, one LRU
+prefix cache the size of one replica's (every request on one engine), and one LRU the size of
+both (the most two caches can give if placement never holds a block twice).
+
+    .venv/bin/python benchmarks/routing.py [--rates 1,3,6] [--policies kv_aware,round_robin]
 
 Writes benchmarks/results/routing.json, routing.md and routing_ttft.png.
 """
@@ -22,14 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collections import Counter
+
 import httpx
 import numpy as np
 
 from harness import deployed, remove
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
-from traces import (BLOCK_TOKENS, Prompts, arrival_offsets, sample_by_root, single_token_words,
-                    upper_bound_hit_rate)
+from traces import (BLOCK_TOKENS, Prompts, arrival_offsets, lru_hit_rate, sample_by_root,
+                    single_token_words, upper_bound_hit_rate)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -100,7 +107,9 @@ def summarize(policy: str, rate: float, results: list[dict[str, Any]]) -> dict[s
     cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok)
     output = sum(r["usage"].get("completion_tokens", 0) for r in ok)
     wall = max(r["done"] for r in results) - min(r["sent"] for r in results)
+    per_replica = Counter(r["replica"] for r in ok)
     return {"policy": policy, "rate_rps": rate, "requests": len(results), "failed": len(results) - len(ok),
+            "busiest_replica_share": max(per_replica.values()) / len(ok) if ok else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
             "ttft_p99_s": float(np.percentile(ttft, 99)), "output_tok_s": output / wall,
             "hit_rate": cached / prompt if prompt else 0.0}
@@ -128,23 +137,43 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def markdown(result: dict[str, Any], args: argparse.Namespace, sampled: int) -> str:
+    blocks = result["kv_blocks_per_replica"]
     lines = [
         "# Routing policies on the Mooncake trace", "",
         f"`python benchmarks/routing.py --rates {args.rates} --kv-cache {args.kv_cache}`: "
         f"{sampled} requests sampled by conversation root, 2 replicas x 1 core, "
-        f"{args.kv_cache} KV cache each, block {BLOCK_TOKENS} tokens. Infinite-cache hit rate "
-        f"(upper bound): {result['upper_bound_hit_rate']:.3f}.", "",
+        f"{args.kv_cache} KV cache each ({blocks} blocks of {BLOCK_TOKENS} tokens).", "",
+        "Hit-rate bounds of this sample: infinite cache "
+        f"{result['upper_bound_hit_rate']:.3f}; one LRU of {2 * blocks} blocks (both caches as "
+        f"one) {result['two_cache_hit_rate']:.3f}; one LRU of {blocks} blocks (one replica) "
+        f"{result['single_lru_hit_rate']:.3f}.", "",
         "| policy | rate (req/s) | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | output tok/s "
-        "| hit rate | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| hit rate | busiest replica | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["records"]:
         lines.append(f"| {r['policy']} | {r['rate_rps']:g} | {r['ttft_p50_s']:.3f} | "
                      f"{r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['output_tok_s']:.1f} | "
-                     f"{r['hit_rate']:.3f} | {r['failed']} |")
+                     f"{r['hit_rate']:.3f} | {r['busiest_replica_share']:.0%} | {r['failed']} |")
     lines += ["", "Ratios of kv_aware's TTFT p90 to each other policy's, per rate:", ""]
     lines += [f"- {line}" for line in ratios(result["records"])]
+    lines += ["", "kv_aware's hit rate against the bounds, per rate:", ""]
+    for r in (r for r in result["records"] if r["policy"] == "kv_aware"):
+        lines.append(f"- {r['rate_rps']:g} req/s: {r['hit_rate']:.3f}, "
+                     f"{_share(r['hit_rate'], result['upper_bound_hit_rate'])} of the infinite "
+                     f"cache's, {_share(r['hit_rate'], result['two_cache_hit_rate'])} of two "
+                     "caches acting as one")
     return "\n".join(lines) + "\n"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.2f}" if whole else "-"
+
+
+def kv_blocks_per_replica(base_url: str) -> int:
+    """The smallest KV capacity, in blocks, the pool's replicas report."""
+    reports = httpx.get(f"{base_url}/tokenfab/replicas", timeout=10, trust_env=False).json()
+    return min(report["kv_blocks"] for report in reports)
 
 
 def ratios(records: list[dict[str, Any]]) -> list[str]:
@@ -161,7 +190,7 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="2,4,8")
+    parser.add_argument("--rates", default="1,3,6")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--kv-cache", default="24MiB")
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
@@ -178,12 +207,18 @@ def main() -> None:
     specs = {p: topology(p, args.kv_cache, weights if p in ("kv_aware", "prefix_approx") else None)
              for p in args.policies.split(",")}
     words = single_token_words(next(iter(specs.values())).model.resolved_path)
-    result = {"upper_bound_hit_rate": upper_bound_hit_rate(requests), "records": []}
+    result: dict[str, Any] = {"upper_bound_hit_rate": upper_bound_hit_rate(requests),
+                              "records": []}
     cluster.start_head(next(iter(specs.values())).cluster)
     try:
         for policy, spec in specs.items():
             print(f"{policy}: deploying")
-            base = f"{deployed(spec)}/v1"
+            gateway = deployed(spec)
+            if "kv_blocks_per_replica" not in result:
+                blocks = result["kv_blocks_per_replica"] = kv_blocks_per_replica(gateway)
+                result["single_lru_hit_rate"] = lru_hit_rate(requests, blocks)
+                result["two_cache_hit_rate"] = lru_hit_rate(requests, 2 * blocks)
+            base = f"{gateway}/v1"
             for namespace, rate in enumerate(rates):
                 results = asyncio.run(replay(base, requests, Prompts(words, namespace + 1), rate))
                 result["records"].append(summarize(policy, rate, results))

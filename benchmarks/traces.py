@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,28 @@ def upper_bound_hit_rate(requests: list[dict[str, Any]], max_blocks: int = MAX_B
                 break
             hits += 1
         seen.update(blocks)
+    return hits / total if total else 0.0
+
+
+def lru_hit_rate(requests: list[dict[str, Any]], capacity_blocks: int,
+                 max_blocks: int = MAX_BLOCKS) -> float:
+    """Share of prompt blocks one LRU prefix cache of `capacity_blocks` would serve: what a
+    single engine of that size reaches with every request, and, at twice the size, what two
+    caches could reach at most if placement made them act as one (no block held twice)."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for row in requests:
+        blocks = row["hash_ids"][:max_blocks]
+        total += len(blocks)
+        for block in blocks:
+            if block not in cache:
+                break
+            hits += 1
+        for block in blocks:
+            cache[block] = None
+            cache.move_to_end(block)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
     return hits / total if total else 0.0
 
 
