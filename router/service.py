@@ -252,7 +252,7 @@ class RoutingService:
         logger.error("KV event stream of replica %s stopped: %r; following it anew", replica,
                      task.exception())
         if replica is not None:  # start over from an empty entry: the replay fills it again
-            self._unfollow(replica)
+            self._stop_following(replica)  # its requests in flight still count
             asyncio.get_running_loop().call_later(RESTART_DELAY_S, self._refollow, replica)
 
     def _refollow(self, replica: ReplicaId) -> None:
@@ -260,16 +260,22 @@ class RoutingService:
         if view is not None and view.kv_events_endpoint and replica not in self._tasks:
             self._follow(view)
 
-    def _unfollow(self, replica: ReplicaId) -> None:
+    def _stop_following(self, replica: ReplicaId) -> None:
+        """Stop the replica's stream and forget its blocks (a new stream replays them)."""
         task = self._tasks.pop(replica, None)
         if task is not None and not task.done():
             task.cancel()
         self._streams.pop(replica, None)
+        self._index.clear(replica)
+        self._counted.pop(replica, None)
+
+    def _unfollow(self, replica: ReplicaId) -> None:
+        """The replica left: forget everything about it."""
+        self._stop_following(replica)
         self._index.drop_replica(replica)
         self._tracker.forget(replica)
         self._history.forget(replica)
         self._churn.forget(replica)
-        self._counted.pop(replica, None)
 
     def stop(self) -> None:
         for replica in list(self._tasks):

@@ -200,7 +200,7 @@ def test_new_conversations_fill_both_caches_after_one_slow_sample(publishers) ->
 
 
 def test_a_stream_that_fails_is_followed_anew_and_the_map_rebuilt(publishers) -> None:
-    """A batch the map cannot apply stops the replica's stream task: its entries are cleared,
+    """A batch the map cannot apply stops the replica's stream task: its map entries are cleared,
     `/ready` and `/tokenfab/router` see it restarting, and a second later it is subscribed
     again and caught up from the replica's buffer."""
     service = RoutingService("main", build_policy("kv_aware"), VllmBlockHasher)
@@ -219,11 +219,13 @@ def test_a_stream_that_fails_is_followed_anew_and_the_map_rebuilt(publishers) ->
     async def scenario() -> None:
         service.set_replicas([view(A, publishers[A])])
         await asyncio.sleep(0.5)
+        service.dispatched(service.route_key("running", list(range(2 * BLOCK))), A)
         store(publishers[A], [1, 2, 3])
         await wait_for(lambda: bool(failures))
         await wait_for(lambda: seen.add(service.replicas()[A]["events"]) or
                        service.replicas()[A]["cached_blocks"] == 3)
         assert service.stream_health() == {"expected": 1, "following": 1}
+        assert service.in_flight(A) == 1  # the engine did not restart: its requests still count
 
     try:
         asyncio.run(scenario())
