@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -27,17 +28,7 @@ def sample_by_root(path: Path, share: float, seed: int) -> list[dict[str, Any]]:
 
 def upper_bound_hit_rate(requests: list[dict[str, Any]], max_blocks: int = MAX_BLOCKS) -> float:
     """Share of prompt blocks an infinite cache shared by all replicas would serve."""
-    seen: set[int] = set()
-    hits = total = 0
-    for row in requests:
-        blocks = row["hash_ids"][:max_blocks]
-        total += len(blocks)
-        for block in blocks:
-            if block not in seen:
-                break
-            hits += 1
-        seen.update(blocks)
-    return hits / total if total else 0.0
+    return lru_hit_rate(requests, sys.maxsize, max_blocks)
 
 
 def lru_hit_rate(requests: list[dict[str, Any]], capacity_blocks: int,

@@ -201,6 +201,10 @@ class RoutingService:
     def index_entries(self) -> int:
         return len(self._index)
 
+    def index_bytes(self) -> int:
+        """The block map's memory, estimated from its entries (see router.index)."""
+        return len(self._index) * BYTES_PER_ENTRY
+
     def stream_health(self) -> dict[str, int]:
         """How many replicas' event streams are followed now, and how many should be."""
         expected = [r for r, v in self._views.items() if v.kv_events_endpoint] \
@@ -309,7 +313,7 @@ class RoutingService:
             self._metrics.cached_blocks.labels(self.pool, replica).set(
                 self._index.blocks_of(replica))
         self._metrics.index_entries.labels(self.pool).set(len(self._index))
-        self._metrics.index_bytes.labels(self.pool).set(len(self._index) * BYTES_PER_ENTRY)
+        self._metrics.index_bytes.labels(self.pool).set(self.index_bytes())
         health = self.stream_health()
         self._metrics.replicas.labels(self.pool).set(health["following"])
         self._metrics.unfollowed.labels(self.pool).set(health["expected"] - health["following"])

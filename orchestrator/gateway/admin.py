@@ -20,7 +20,6 @@ from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.http import HttpRequest, Responder
 from kvtransfer.metrics import TransferMetrics
-from router.index import BYTES_PER_ENTRY
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.admin")
 
@@ -113,7 +112,7 @@ class Admin:
         blocks the map holds, the state of its event stream and the requests held."""
         pools = {name: {"policy": p.service.policy.name, "block_size": p.service.block_size(),
                         "index_entries": p.service.index_entries(),
-                        "index_bytes": p.service.index_entries() * BYTES_PER_ENTRY,
+                        "index_bytes": p.service.index_bytes(),
                         "kv_event_streams": p.service.stream_health(), "held": p.held,
                         "replicas": p.service.replicas()} for name, p in self._pools.items()}
         responder.send(200, _encode({"ingress": {"pid": os.getpid(), "replica": self._replica_id},
