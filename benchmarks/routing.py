@@ -6,14 +6,18 @@ root (every request whose first block belongs to a seeded random 6% of roots, in
 all prefix sharing among the sampled requests is kept; each 512-token block id becomes 32 fixed
 single-token words, prompts are capped at 60 blocks (1,920 tokens), outputs at 1/8 of the trace's
 (1..32 tokens). Arrival times are the trace's, rescaled to each target rate: a light one (1 req/s,
-the replicas mostly idle), a middle one and saturation. Every policy gets a fresh deployment;
-every rate gets its own word mapping, so each run starts with cold caches.
+the replicas mostly idle), a middle one (10) and saturation (30: the best policies deliver just
+under the offered tokens). A high rate replays the sample several times, each with cold caches,
+so each rate measures at least a minute of arrivals. Every policy gets a fresh deployment,
+warmed up with a few requests in words no replay uses; every rate gets its own word mapping, so
+each run starts with cold caches. The client runs at a higher priority than the stack it
+measures (`machine.prioritise_client`), and each record reports how late it sent its requests.
 
 Hit rates are shown against three bounds: the infinite cache shared by all replicas, one LRU
 prefix cache the size of one replica's (every request on one engine), and one LRU the size of
 both (the most two caches can give if placement never holds a block twice).
 
-    .venv/bin/python benchmarks/routing.py [--rates 1,3,6] [--policies kv_aware,round_robin]
+    .venv/bin/python benchmarks/routing.py [--rates 1,10,30] [--policies kv_aware,round_robin]
 
 Writes benchmarks/results/routing.json, routing.md and routing_ttft.png.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,7 @@ import httpx
 import numpy as np
 
 from harness import deployed, remove
+from machine import prioritise_client
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
 from traces import (BLOCK_TOKENS, Prompts, arrival_offsets, lru_hit_rate, sample_by_root,
@@ -43,6 +49,7 @@ RESULTS = Path(__file__).parent / "results"
 TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 POLICIES = ["round_robin", "least_loaded", "prefix_approx", "kv_aware"]
 ROOT_SHARE, SAMPLE_SEED = 0.06, 0
+WARM_UP_REQUESTS = 16
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6392",
            "dashboard_url": "http://127.0.0.1:8277", "num_cpus": 2}
 
@@ -61,7 +68,8 @@ def topology(policy: str, kv_cache: str, weights: dict[str, float] | None = None
     }, f"routing benchmark ({policy})")
 
 
-async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list) -> None:
+async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list,
+                      due: float) -> None:
     sent, first, usage, status, error, replica = time.monotonic(), None, {}, 0, "", ""
     try:
         async with client.stream("POST", "/completions", json=body) as response:
@@ -78,8 +86,8 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list
                     usage = chunk["usage"]
     except httpx.HTTPError as exc:
         status, error = 599, repr(exc)
-    out.append({"sent": sent, "ttft": (first - sent) if first else None, "replica": replica,
-                "done": time.monotonic(), "status": status, "usage": usage, "error": error})
+    out.append({"sent": sent, "lag": sent - due, "ttft": (first - sent) if first else None,
+                "replica": replica, "done": time.monotonic(), "status": status, "usage": usage, "error": error})
 
 
 async def replay(base_url: str, requests: list[dict[str, Any]], prompts: Prompts,
@@ -95,9 +103,28 @@ async def replay(base_url: str, requests: list[dict[str, Any]], prompts: Prompts
             body = {"model": "tiny", "prompt": prompts.prompt(row), "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": True,
                     "max_tokens": max(1, min(32, row["output_length"] // 8)), "temperature": 0}
-            tasks.append(asyncio.create_task(one_request(client, body, out)))
+            tasks.append(asyncio.create_task(one_request(client, body, out, at)))
         await asyncio.gather(*tasks)
     return out
+
+
+def warm_up(base_url: str, requests: list[dict[str, Any]], words: list[str]) -> dict[str, int]:
+    """Requests of the trace's shapes in words no replay uses, before any is measured: a fresh
+    engine's first prefills take seconds (measured: TTFT about 3 s for the first ~3 s of a
+    replay), which would land on whichever rate runs first. Returns requests per replica."""
+    results = asyncio.run(replay(base_url, requests[:WARM_UP_REQUESTS], Prompts(words, 10_000),
+                                 rate=4.0))
+    bad = [r for r in results if r["status"] != 200 or r["ttft"] is None]
+    if bad:
+        raise RuntimeError(f"warm-up failed: {bad[0]['status']} {bad[0]['error']}")
+    return dict(Counter(r["replica"] for r in results))
+
+
+def replays(requests: int, rate: float, min_replay_s: float) -> int:
+    """How many times to replay the sample at `rate` so that at least `min_replay_s` of arrivals
+    are measured: one short replay at a high rate is a few seconds of queueing, too few to give
+    a stable p90. Example: 262 requests, 60 s -> 1 at 1 req/s, 3 at 10 req/s, 7 at 30 req/s."""
+    return max(1, math.ceil(min_replay_s * rate / requests))
 
 
 def summarize(policy: str, rate: float, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -106,13 +133,18 @@ def summarize(policy: str, rate: float, results: list[dict[str, Any]]) -> dict[s
     prompt = sum(r["usage"].get("prompt_tokens", 0) for r in ok)
     cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok)
     output = sum(r["usage"].get("completion_tokens", 0) for r in ok)
-    wall = max(r["done"] for r in results) - min(r["sent"] for r in results)
+    runs = {r.get("replay", 0) for r in results}  # replays follow each other: sum their walls
+    wall = sum(max(r["done"] for r in results if r.get("replay", 0) == k)
+               - min(r["sent"] for r in results if r.get("replay", 0) == k) for k in runs)
     per_replica = Counter(r["replica"] for r in ok)
-    return {"policy": policy, "rate_rps": rate, "requests": len(results), "failed": len(results) - len(ok),
+    lag = np.array([r["lag"] for r in results])
+    return {"policy": policy, "rate_rps": rate, "requests": len(results),
+            "replays": len(runs), "failed": len(results) - len(ok),
             "busiest_replica_share": max(per_replica.values()) / len(ok) if ok else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
             "ttft_p99_s": float(np.percentile(ttft, 99)), "output_tok_s": output / wall,
-            "hit_rate": cached / prompt if prompt else 0.0}
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "client_lag_p99_s": float(np.percentile(lag, 99))}
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
@@ -147,14 +179,20 @@ def markdown(result: dict[str, Any], args: argparse.Namespace, sampled: int) -> 
         f"{result['upper_bound_hit_rate']:.3f}; one LRU of {2 * blocks} blocks (both caches as "
         f"one) {result['two_cache_hit_rate']:.3f}; one LRU of {blocks} blocks (one replica) "
         f"{result['single_lru_hit_rate']:.3f}.", "",
+        f"The client runs in a scheduling group of its own at nice "
+        f"{result['scheduling']['client_nice']} (`prioritise_client` in machine.py), so the "
+        "engines it shares 2 cores with do not starve it; client lag is how late it sent a "
+        "request against the trace's schedule.", "",
         "| policy | rate (req/s) | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | output tok/s "
-        "| hit rate | busiest replica | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| hit rate | busiest replica | requests (replays) | failed | client lag p99 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["records"]:
         lines.append(f"| {r['policy']} | {r['rate_rps']:g} | {r['ttft_p50_s']:.3f} | "
                      f"{r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['output_tok_s']:.1f} | "
-                     f"{r['hit_rate']:.3f} | {r['busiest_replica_share']:.0%} | {r['failed']} |")
+                     f"{r['hit_rate']:.3f} | {r['busiest_replica_share']:.0%} | "
+                     f"{r['requests']} ({r['replays']}) | {r['failed']} | "
+                     f"{r['client_lag_p99_s']:.3f} |")
     lines += ["", "Ratios of kv_aware's TTFT p90 to each other policy's, per rate:", ""]
     lines += [f"- {line}" for line in ratios(result["records"])]
     lines += ["", "kv_aware's hit rate against the bounds, per rate:", ""]
@@ -190,15 +228,21 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="1,3,6")
+    parser.add_argument("--rates", default="1,10,30")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--kv-cache", default="24MiB")
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--out", default=str(RESULTS / "routing.json"))
     parser.add_argument("--raw", default="", help="directory for per-request records")
+    parser.add_argument("--min-replay-s", type=float, default=60.0,
+                        help="replay each rate this many seconds at least, in repeats of the "
+                             "sample, each with cold caches")
+    parser.add_argument("--client-nice", type=int, default=-10,
+                        help="the client's scheduling priority (see machine.prioritise_client)")
     parser.add_argument("--weights", default="", help='scorer weights for kv_aware/prefix_approx, '
                         'JSON, e.g. {"ttft": 1, "approx_prefix": 1}')
     args = parser.parse_args()
+    scheduling = prioritise_client(args.client_nice)
     rates = [float(r) for r in args.rates.split(",")]
     requests = sample_by_root(TRACE, ROOT_SHARE, SAMPLE_SEED)
     if args.limit:
@@ -208,7 +252,7 @@ def main() -> None:
              for p in args.policies.split(",")}
     words = single_token_words(next(iter(specs.values())).model.resolved_path)
     result: dict[str, Any] = {"upper_bound_hit_rate": upper_bound_hit_rate(requests),
-                              "records": []}
+                              "scheduling": scheduling, "records": []}
     cluster.start_head(next(iter(specs.values())).cluster)
     try:
         for policy, spec in specs.items():
@@ -219,8 +263,13 @@ def main() -> None:
                 result["single_lru_hit_rate"] = lru_hit_rate(requests, blocks)
                 result["two_cache_hit_rate"] = lru_hit_rate(requests, 2 * blocks)
             base = f"{gateway}/v1"
-            for namespace, rate in enumerate(rates):
-                results = asyncio.run(replay(base, requests, Prompts(words, namespace + 1), rate))
+            print(f"{policy}: warm-up, requests per replica {warm_up(base, requests, words)}")
+            for index, rate in enumerate(rates):
+                results = []
+                for repeat in range(replays(len(requests), rate, args.min_replay_s)):
+                    prompts = Prompts(words, 1 + index * 100 + repeat)  # cold for each replay
+                    for row in asyncio.run(replay(base, requests, prompts, rate)):
+                        results.append(row | {"replay": repeat})
                 result["records"].append(summarize(policy, rate, results))
                 if args.raw:
                     raw = Path(args.raw) / f"{policy}-{rate:g}.json"
