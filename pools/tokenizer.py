@@ -1,6 +1,9 @@
 """Counts a request's prompt tokens the way the engine will see them (same tokenizer and template).
 
-Used outside the engines, where a decision depends on prompt length (prefill/decode disaggregation).
+Used outside the engines, where a decision depends on prompt length (admission limits, prefill/decode
+disaggregation, prefix-aware routing). Every prompt shape the OpenAI API accepts is counted; a body
+whose prompt cannot be read raises `PromptError`, naming the field, so a caller can refuse it
+instead of admitting it uncounted.
 """
 
 from __future__ import annotations
@@ -8,28 +11,94 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+_PROMPT_SHAPES = ("a string, a list of strings, a list of token ids or a list of lists of token "
+                  "ids")
+
+
+class PromptError(ValueError):
+    """The request's prompt cannot be read; `field` names where (e.g. "messages[0].content")."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in value)
+
+
+def _text(field: str, content: Any) -> Any:
+    """A message's content as the engine's chat template gets it: a string stays, text parts
+    are joined with newlines (as vLLM does for string-content templates)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise PromptError(field, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "text" \
+                or not isinstance(part.get("text"), str):
+            raise PromptError(f"{field}[{j}]", "only text content parts can be counted "
+                              "({\"type\": \"text\", \"text\": ...})")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
 
 class PromptTokenCounter:
-    """Loads the model's tokenizer once; `tokens` is CPU work: call it off the event loop."""
+    """Loads the model's tokenizer once; counting is CPU work: call it off the event loop."""
 
     def __init__(self, model_path: str) -> None:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        """Prompt token ids of an OpenAI request body; None when it has no prompt we can read."""
+    def prompts(self, endpoint: str, body: Mapping[str, Any]) -> list[list[int]]:
+        """Token ids of each prompt of an OpenAI request body (a completions batch has several).
+        Raises PromptError when the body's prompt is missing or of a shape the API does not take.
+
+        Example: {"prompt": ["Hello", [1, 2, 3]]} -> [<ids of "Hello">, [1, 2, 3]].
+        """
         if endpoint == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list):
-                return None
-            ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=True)
-            # transformers 5 returns a BatchEncoding (a mapping, not a dict); 4 returned a list
-            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+            return [self._chat(body.get("messages"))]
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return self._tokenizer(prompt).input_ids
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return prompt
-        return None
+            return [self._tokenizer(prompt).input_ids]
+        if isinstance(prompt, list) and prompt:
+            if _token_ids(prompt):
+                return [list(prompt)]
+            out = []
+            for i, item in enumerate(prompt):
+                if isinstance(item, str):
+                    out.append(self._tokenizer(item).input_ids)
+                elif _token_ids(item) and item:
+                    out.append(list(item))
+                else:
+                    raise PromptError(f"prompt[{i}]", f"the prompt must be {_PROMPT_SHAPES}")
+            return out
+        if prompt is None:
+            raise PromptError("prompt", "field required")
+        raise PromptError("prompt", f"must be {_PROMPT_SHAPES}")
+
+    def tokens(self, endpoint: str, body: Mapping[str, Any]) -> list[int]:
+        """The token ids of a request with one prompt (the first, for a batch)."""
+        return self.prompts(endpoint, body)[0]
+
+    def _chat(self, messages: Any) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise PromptError("messages", "must be a non-empty list of messages")
+        shaped = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise PromptError(f"messages[{i}]", "must be an object with a string role")
+            shaped.append(dict(message) | {"content": _text(f"messages[{i}].content",
+                                                              message.get("content"))})
+        try:
+            ids = self._tokenizer.apply_chat_template(shaped, add_generation_prompt=True,
+                                                      tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - the template refused these messages
+            if type(exc).__module__.startswith("jinja2"):
+                raise PromptError("messages", f"the chat template refused them: {exc}") from exc
+            raise
+        # transformers 5 returns a BatchEncoding (a mapping, not a dict); 4 returned a list
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)

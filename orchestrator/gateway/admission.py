@@ -45,6 +45,26 @@ def requested_output(endpoint: str, body: dict[str, Any]) -> int | None:
     return None
 
 
+def choices(body: dict[str, Any]) -> int:
+    """How many completions each prompt asks for (`n`, or `best_of` when larger)."""
+    counts = [body.get(name) for name in ("n", "best_of")]
+    return max([c for c in counts if isinstance(c, int) and not isinstance(c, bool) and c > 0],
+               default=1)
+
+
+def cost_tokens(prompt_lengths: list[int], output: int | None, choices: int,
+                max_model_len: int) -> int:
+    """Tokens charged up front: every prompt, plus for each its outputs (`output`, or
+    DEFAULT_OUTPUT_ESTIMATE when unset, at most what fits beside the prompt) times `choices`.
+
+    Example: prompts of 100 and 300 tokens, max_tokens 50, n 2, max_model_len 2048 ->
+    400 + 2 x (50 + 50) = 600. Without counted prompts ([]), one output: 50 x 2 = 100.
+    """
+    per_output = DEFAULT_OUTPUT_ESTIMATE if output is None else max(0, output)
+    outputs = [min(max(0, max_model_len - length), per_output) for length in prompt_lengths]
+    return sum(prompt_lengths) + choices * (sum(outputs) if prompt_lengths else per_output)
+
+
 class Admission:
     """One per ingress replica; runs on its event loop. The caller counts the prompt's tokens
     (off the loop) when `needs_tokens` says the tenants' limits read them."""
@@ -79,10 +99,11 @@ class Admission:
         return self._shaped(tenant, endpoint, body)
 
     async def admit(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any],
-                    tokens: list[int] | None) -> Ticket:
-        """Admit the (shaped) request or raise the GatewayError that refuses it."""
+                    prompts: list[list[int]] | None) -> Ticket:
+        """Admit the (shaped) request or raise the GatewayError that refuses it. `prompts` are
+        the token ids of each of its prompts (None where no limit reads them)."""
         try:
-            return await self._admit(tenant, endpoint, body, tokens)
+            return await self._admit(tenant, endpoint, body, prompts)
         except GatewayError as exc:
             self._count_rejection(tenant, exc)
             raise
@@ -92,19 +113,19 @@ class Admission:
             self.metrics.rejections.labels(tenant.name, exc.code).inc()
 
     async def _admit(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any],
-                     tokens: list[int] | None) -> Ticket:
+                     prompts: list[list[int]] | None) -> Ticket:
         limiter = self._limiters[tenant.name]
         output = requested_output(endpoint, body)
-        limiter.check_sizes(len(tokens) if tokens is not None else None, output)
-        prompt = len(tokens) if tokens is not None else 0
-        room = max(0, self._max_model_len - prompt)  # what the engine could generate at most
-        cost = prompt + min(room, DEFAULT_OUTPUT_ESTIMATE if output is None else max(0, output))
+        lengths = [len(ids) for ids in prompts] if prompts is not None else []
+        limiter.check_sizes(max(lengths) if prompts is not None else None, output,
+                            "messages" if endpoint == "chat" else "prompt")
+        cost = cost_tokens(lengths, output, choices(body), self._max_model_len)
         charge = limiter.admit(cost, time.monotonic())
         self.metrics.queued.labels(tenant.name).inc()
         try:
             waited = await self.queue.acquire(tenant.name, cost, tenant.weight, tenant.priority)
         except BaseException:
-            limiter.release(charge, None, time.monotonic())
+            limiter.release(charge, 0, time.monotonic(), refund=True)  # never reached an engine
             raise
         finally:
             self.metrics.queued.labels(tenant.name).dec()
@@ -112,14 +133,18 @@ class Admission:
         self.metrics.in_flight.labels(tenant.name).inc()
         return Ticket(tenant, charge, cost, waited)
 
-    def finish(self, ticket: Ticket, usage: Usage | None) -> None:
-        """The request ended (answered, failed or abandoned); idempotent."""
+    def finish(self, ticket: Ticket, usage: Usage | None, refund: bool = False) -> None:
+        """The request ended (answered, failed or abandoned); idempotent. `refund`: no engine
+        ever took it, so it costs the tenant nothing (its request and tokens come back)."""
         if ticket.settled:
             return
         ticket.settled = True
         name = ticket.tenant.name
         used = usage.prompt_tokens + usage.completion_tokens if usage is not None else None
-        self._limiters[name].release(ticket.charge, used, time.monotonic())
+        if refund and usage is None:
+            used = 0
+        self._limiters[name].release(ticket.charge, used, time.monotonic(),
+                                     refund=refund and usage is None)
         self.queue.release(name, ticket.cost, ticket.cost if used is None else used,
                            ticket.tenant.weight)
         self.metrics.in_flight.labels(name).dec()

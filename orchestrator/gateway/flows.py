@@ -60,6 +60,7 @@ def _keys(pools: Mapping[str, PoolDispatcher], request_id: str, tokens: list[int
 async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, Any]
                ) -> Usage | None:
     stream, head = await pool.open(Request(call.endpoint, _encode(body)), key, call.deadline)
+    call.reached_engine = True
     try:
         return await relay(call, stream, head, lambda: pool.service.first_token(key.request_id))
     finally:
@@ -142,6 +143,7 @@ class DisaggregatedFlow:
         request = Request(call.endpoint, _encode(prefill_body(call.body)))
         try:
             stream, head = await pool.open(request, key, deadline)
+            call.reached_engine = True
             try:
                 if head.status == 200:  # its one token marks the prefill's end
                     pool.service.first_token(key.request_id)

@@ -72,12 +72,13 @@ class TenantLimiter:
             if scaled["concurrent"] else None
         self.in_flight = 0
 
-    def check_sizes(self, prompt_tokens: int | None, max_tokens: int | None) -> None:
-        """400 for a request no wait would make acceptable."""
+    def check_sizes(self, prompt_tokens: int | None, max_tokens: int | None,
+                    prompt_field: str = "prompt") -> None:
+        """400 for a request no wait would make acceptable (`prompt_tokens`: its longest)."""
         limit = self.limits.max_prompt_tokens
         if limit is not None and prompt_tokens is not None and prompt_tokens > limit:
             raise GatewayError(400, f"prompt has {prompt_tokens} tokens; this tenant's limit is "
-                               f"{limit}", "prompt", code="prompt_too_long")
+                               f"{limit}", prompt_field, code="prompt_too_long")
         limit = self.limits.max_output_tokens
         if limit is not None and max_tokens is not None and max_tokens > limit:
             raise GatewayError(400, f"max_tokens {max_tokens} is above this tenant's limit of "
@@ -108,8 +109,12 @@ class TenantLimiter:
         self.in_flight += 1
         return Charge(tokens)
 
-    def release(self, charge: Charge, used_tokens: int | None, now: float) -> None:
-        """The request ended having used `used_tokens` (None: unknown, nothing comes back)."""
+    def release(self, charge: Charge, used_tokens: int | None, now: float,
+                refund: bool = False) -> None:
+        """The request ended having used `used_tokens` (None: unknown, nothing comes back).
+        `refund`: it never reached an engine, so its request comes back too."""
         self.in_flight -= 1
         if self._tokens is not None and used_tokens is not None:  # more used: the debt stays
             self._tokens.give_back(charge.tokens - used_tokens, now)
+        if refund and self._requests is not None:
+            self._requests.give_back(1, now)

@@ -34,6 +34,7 @@ class Call:
     first_token_s: float | None = None  # time to first token (streams)
     gaps: list[float] = field(default_factory=list)  # between streamed tokens
     replica: str = ""
+    reached_engine: bool = False  # a replica took it: from then on its work may have been done
 
     @property
     def deadline(self) -> float:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
+from itertools import accumulate
 from typing import Any
 
 import msgspec
@@ -25,13 +27,32 @@ from orchestrator.gateway.http import HttpRequest, Responder
 from orchestrator.gateway.metrics import UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.gateway.relay import Call
 from orchestrator.config import Topology
-from pools.tokenizer import PromptTokenCounter
+from pools.tokenizer import PromptError, PromptTokenCounter
 from router.wire import RouteKey
 
 # Under Serve's logger, so lines land in the replica's log with Serve's own.
 logger = logging.getLogger("ray.serve").getChild("tokenfab.access")
 
 OPENAI = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+MAX_JSON_DEPTH = 64  # an OpenAI body nests under 10 levels; tool schemas a few more
+_JSON_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
+
+
+def too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a JSON text nests more than `limit` levels, read from its bytes before any parser
+    recurses into it. Bodies with few brackets (most: one prompt string) cost two byte counts;
+    others a scan with the strings taken out.
+
+    Example (limit 2): b'{"a": [[1]]}' -> True; b'{"a": [1, "[[[["]}' -> False.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0) > limit
 
 
 class Routes:
@@ -79,8 +100,9 @@ class Routes:
             spec = self._admission.authenticate(request.headers.get("authorization"))
             tenant = spec.name
             body = self._admission.shape(spec, endpoint, self.read_body(request))
-            tokens, keys = await self._prepare(request_id, endpoint, body)
-            ticket = await self._admission.admit(spec, endpoint, body, tokens)
+            prompts, keys = await self._prepare(request_id, endpoint, body)
+            ticket = await self._admission.admit(spec, endpoint, body, prompts)
+            tokens = prompts[0] if prompts is not None and len(prompts) == 1 else None
             call = Call(request_id, endpoint, body, tokens, responder, started, self._timeout_s)
             usage = await self._flow.serve(call, keys)
         except GatewayError as exc:
@@ -88,8 +110,8 @@ class Routes:
                 exc.send(responder, {"x-request-id": request_id})
         finally:
             self.in_flight -= 1
-            if ticket is not None:
-                self._admission.finish(ticket, usage)
+            if ticket is not None:  # refunded if no replica ever took it (429/503/504 here)
+                self._admission.finish(ticket, usage, refund=not (call and call.reached_engine))
             if responder.started:
                 self._record(request_id, tenant, endpoint, responder.status, started, call, usage,
                              ticket.queued_s if ticket else 0.0)
@@ -98,6 +120,9 @@ class Routes:
         limit = self._topology.gateway.max_body_bytes
         if request.too_large:
             raise GatewayError(413, f"request body is larger than {limit} bytes")
+        if too_deep(request.body):
+            raise GatewayError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels "
+                               "deep", code="too_deep")
         try:
             body = msgspec.json.decode(request.body)
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
@@ -112,8 +137,8 @@ class Routes:
         return body
 
     async def _prepare(self, request_id: str, endpoint: str, body: dict[str, Any]
-                       ) -> tuple[list[int] | None, dict[str, RouteKey]]:
-        """The prompt's token ids (if anything reads them) and the flow's route keys."""
+                       ) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
+        """Each prompt's token ids (if anything reads them) and the flow's route keys."""
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
         if not self._needs_tokens:
@@ -121,12 +146,20 @@ class Routes:
         return await asyncio.to_thread(self._tokens_and_keys, request_id, endpoint, body, salt)
 
     def _tokens_and_keys(self, request_id: str, endpoint: str, body: dict[str, Any],
-                         salt: str | None) -> tuple[list[int] | None, dict[str, RouteKey]]:
+                         salt: str | None) -> tuple[list[list[int]], dict[str, RouteKey]]:
+        """Counting fails closed: a prompt that cannot be read is refused (400, naming the
+        field), and a tokenizer that fails refuses the request (503), never admits it uncounted.
+        A batch of prompts is routed by load (no one prefix to follow)."""
         try:
-            tokens = self._counter.tokens(endpoint, body)
-        except Exception:  # noqa: BLE001 - unreadable prompt: the engine answers the error
-            tokens = None
-        return tokens, self._flow.keys(request_id, tokens, salt)
+            prompts = self._counter.prompts(endpoint, body)
+        except PromptError as exc:
+            raise GatewayError(400, exc.message, exc.field, code="invalid_prompt") from None
+        except Exception:  # noqa: BLE001 - the tokenizer itself failed
+            logger.exception("request_id=%s: counting the prompt's tokens failed", request_id)
+            raise GatewayError(503, "the gateway could not count the prompt's tokens; retry",
+                               code="tokenizer_unavailable") from None
+        tokens = prompts[0] if len(prompts) == 1 else None
+        return prompts, self._flow.keys(request_id, tokens, salt)
 
     async def explain(self, endpoint: str, request: HttpRequest) -> dict[str, Any]:
         """How each pool would place this request now (`/tokenfab/route/...`)."""

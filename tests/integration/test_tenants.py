@@ -147,6 +147,20 @@ def test_size_limits_and_default_output_length(root: str) -> None:
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
     too_many = _post(root, "sizes-key", {"model": MODEL, "prompt": "x", "max_tokens": 65})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
+    # every prompt shape is counted: none gets past the limit uncounted
+    long_text, short_text = "word " * 300, "word " * 10
+    for shape in ([short_text, long_text], [[7] * 10, [7] * 300], [7] * 300):
+        refused = _post(root, "sizes-key", {"model": MODEL, "prompt": shape, "max_tokens": 1})
+        assert refused.status_code == 400, (shape[:2], refused.text)
+        assert refused.json()["error"]["code"] == "prompt_too_long"
+    parts = [{"type": "text", "text": short_text}, {"type": "text", "text": long_text}]
+    refused = _post(root, "sizes-key", {"model": MODEL, "max_tokens": 1,
+                                        "messages": [{"role": "user", "content": parts}]},
+                    path="/v1/chat/completions")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    batch = _post(root, "sizes-key", {"model": MODEL, "prompt": [short_text, [7] * 10],
+                                      "max_tokens": 1})
+    assert batch.status_code == 200 and len(batch.json()["choices"]) == 2, batch.text
     default = _post(root, "sizes-key", {"model": MODEL, "prompt": "x", "ignore_eos": True})
     assert default.json()["usage"]["completion_tokens"] == 64  # the tenant's max_output_tokens
 
@@ -264,6 +278,10 @@ BAD = [
     ("negative-temperature", b'{"model": "tiny", "prompt": "x", "temperature": -1}', 400,
      "temperature", "temperature"),
     ("top-p-above-one", b'{"model": "tiny", "prompt": "x", "top_p": 5}', 400, "top_p", "top_p"),
+    ("nested-5000-deep", b'{"model": "tiny", "prompt": "x", "stop": ' + b"[" * 5000
+     + b"]" * 5000 + b"}", 400, "nested more than 64 levels", None),
+    ("prompt-of-mixed-items", b'{"model": "tiny", "prompt": ["x", {"a": 1}]}', 400,
+     "the prompt must be", "prompt[1]"),
     ("salt-not-a-string", b'{"model": "tiny", "prompt": "x", "cache_salt": 7}', 400,
      "cache_salt", "cache_salt"),
 ]
@@ -283,3 +301,13 @@ def test_bad_input_with_a_key(root: str, body: bytes, status: int, message: str,
         assert error["param"] == param
     assert _post(root, "beta-key", {"model": MODEL, "prompt": "still fine", "max_tokens": 1}
                  ).status_code == 200
+
+
+def test_a_prompt_the_gateway_cannot_count_is_refused_naming_the_field(root: str) -> None:
+    image = [{"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}]
+    for messages, param in [([{"role": "user", "content": image}], "messages[0].content[0]"),
+                            ([], "messages"), (["hello"], "messages[0]")]:
+        response = _post(root, "beta-key", {"model": MODEL, "messages": messages},
+                         path="/v1/chat/completions")
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from prometheus_client import CollectorRegistry
 
 from orchestrator.gateway.errors import GatewayError
-from orchestrator.config import TenantLimits, parse_topology
+from orchestrator.config import TenantLimits, TenantSpec, parse_topology
+from orchestrator.gateway.admission import Admission, choices, cost_tokens
+from orchestrator.gateway.metrics import GatewayMetrics
 from tokenfab.errors import TopologyError
 from orchestrator.gateway.limits import TenantLimiter, TokenBucket
 from orchestrator.gateway.tenancy import Tenants, hash_key, read_key_file
@@ -182,3 +187,47 @@ def test_usage_of_replies_and_streams() -> None:
     assert meter.usage == Usage(2, 2, 0)
     assert meter.feed(token + completion) == (token + completion, True)  # two events at once
     assert StreamMeter(keep_usage=True).event(final) == (final, False)
+
+
+def test_cost_counts_every_prompt_and_every_choice() -> None:
+    assert cost_tokens([100, 300], 50, 2, 2048) == 600  # the docstring's example
+    assert cost_tokens([], 50, 2, 2048) == 100  # prompts not counted: the outputs alone
+    assert cost_tokens([2000], None, 1, 2048) == 2048  # no max_tokens: what fits beside it
+    assert choices({"n": 3, "best_of": 5}) == 5 and choices({"n": True}) == 1
+    assert choices({}) == 1
+
+
+def _admission(doc: dict) -> tuple[Admission, TenantSpec]:
+    spec = topology(auth={"enabled": True}, tenants=[doc],
+                    admission={"max_in_flight": 1, "max_queued_per_tenant": 0})
+    admission = Admission(spec, GatewayMetrics(CollectorRegistry(), [doc["name"]]),
+                          Tenants(spec))
+    return admission, spec.tenants[0]
+
+
+def test_a_request_that_never_reached_an_engine_costs_nothing() -> None:
+    admission, tenant = _admission({"name": "acme", "api_keys": [hash_key("k")],
+                                    "limits": {"requests_per_minute": 2,
+                                               "tokens_per_minute": 1000}})
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 100}
+
+    async def scenario() -> None:
+        held = await admission.admit(tenant, "completions", body, [[1] * 300])
+        for _ in range(3):  # the fair queue is full: 429, and the tenant is charged nothing
+            with pytest.raises(GatewayError) as info:
+                await admission.admit(tenant, "completions", body, [[1] * 300])
+            assert info.value.code == "queue_full"
+        admission.finish(held, None, refund=True)  # e.g. no replica took it: 503 before any byte
+        for _ in range(2):  # both requests of the minute and all 1,000 tokens are still there
+            admission.finish(await admission.admit(tenant, "completions", body, [[1] * 400]),
+                             Usage(400, 100))
+
+    asyncio.run(scenario())
+
+
+def test_requests_per_minute_below_the_ingress_replicas_is_refused() -> None:
+    doc = {"name": "acme", "api_keys": [hash_key("k")], "limits": {"requests_per_minute": 1}}
+    with pytest.raises(TopologyError, match=r"tenants.0.limits.requests_per_minute \(acme\)"):
+        topology(auth={"enabled": True}, tenants=[doc], gateway={"replicas": 2})
+    topology(auth={"enabled": True}, tenants=[doc | {"limits": {"requests_per_minute": 2}}],
+             gateway={"replicas": 2})
