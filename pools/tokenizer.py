@@ -57,7 +57,8 @@ class PromptTokenCounter:
         """Token ids of each prompt of an OpenAI request body (a completions batch has several).
         Raises PromptError when the body's prompt is missing or of a shape the API does not take.
 
-        Example: {"prompt": ["Hello", [1, 2, 3]]} -> [<ids of "Hello">, [1, 2, 3]].
+        Example: {"prompt": ["Hello", "world"]} -> [<ids of "Hello">, <ids of "world">];
+        {"prompt": [[1, 2], [3]]} -> [[1, 2], [3]]; {"prompt": ["Hello", [1]]} -> PromptError.
         """
         if endpoint == "chat":
             return [self._chat(body.get("messages"))]
@@ -67,15 +68,11 @@ class PromptTokenCounter:
         if isinstance(prompt, list) and prompt:
             if _token_ids(prompt):
                 return [list(prompt)]
-            out = []
+            text = isinstance(prompt[0], str)  # a batch is all strings or all token-id lists
             for i, item in enumerate(prompt):
-                if isinstance(item, str):
-                    out.append(self._tokenizer(item).input_ids)
-                elif _token_ids(item) and item:
-                    out.append(list(item))
-                else:
+                if not (isinstance(item, str) if text else _token_ids(item) and item):
                     raise PromptError(f"prompt[{i}]", f"the prompt must be {_PROMPT_SHAPES}")
-            return out
+            return [self._tokenizer(item).input_ids if text else list(item) for item in prompt]
         if prompt is None:
             raise PromptError("prompt", "field required")
         raise PromptError("prompt", f"must be {_PROMPT_SHAPES}")
