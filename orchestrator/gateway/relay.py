@@ -35,6 +35,7 @@ class Call:
     gaps: list[float] = field(default_factory=list)  # between streamed tokens
     replica: str = ""
     reached_engine: bool = False  # a replica took it: from then on its work may have been done
+    stream_error: int | None = None  # status of an error sent in-stream, after a 200 head
 
     @property
     def deadline(self) -> float:
@@ -64,7 +65,7 @@ async def relay(call: Call, stream: ReplyStream, head: Head,
         usage = await _end(stream, call.timeout_s, clock)
     except GatewayError as exc:  # headers are sent: report the failure in-stream
         responder.write(exc.sse())
-        usage = None
+        call.stream_error, usage = exc.status, None
     responder.end_stream()
     return usage
 

@@ -112,8 +112,9 @@ class Routes:
             self.in_flight -= 1
             if ticket is not None:  # refunded if no replica ever took it (429/503/504 here)
                 self._admission.finish(ticket, usage, refund=not (call and call.reached_engine))
-            if responder.started:
-                self._record(request_id, tenant, endpoint, responder.status, started, call, usage,
+            if responder.started:  # a stream that broke counts as its error, not its head
+                status = (call and call.stream_error) or responder.status
+                self._record(request_id, tenant, endpoint, status, started, call, usage,
                              ticket.queued_s if ticket else 0.0)
 
     def read_body(self, request: HttpRequest) -> dict[str, Any]:

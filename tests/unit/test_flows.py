@@ -120,6 +120,7 @@ def test_unified_request_is_placed_relayed_and_its_usage_returned() -> None:
         assert request.first_token_s is not None and len(request.gaps) == 1
         assert replica.requests == [("completions", BODY)]
         assert main.service.in_flight("r1") == 0  # finished: counted off again
+        assert request.reached_engine and request.stream_error is None
     run(scenario())
 
 
@@ -268,10 +269,11 @@ def test_no_replica_wakes_the_pool_then_the_deadline_answers_503() -> None:
             woken.append(time.monotonic())
 
         main = pool("main", wake=wake)
-        started = time.monotonic()
+        started, request = time.monotonic(), call(BODY, timeout_s=0.6)
         with pytest.raises(GatewayError) as refused:
-            await serve(UnifiedFlow(main), call(BODY, timeout_s=0.6))
+            await serve(UnifiedFlow(main), request)
         assert refused.value.status == 503 and "main" in refused.value.message
+        assert not request.reached_engine  # so the route refunds the tenant
         assert 0.6 <= time.monotonic() - started < 2 and woken
     run(scenario())
 
@@ -299,6 +301,7 @@ def test_stream_that_stops_producing_ends_with_an_in_stream_timeout() -> None:
         status, _, body = request.responder._connection.response()
         assert status == 200 and body.startswith(b"data: 1\n\ndata: {")
         assert json.loads(body.split(b"data: ")[2])["error"]["code"] == 504
+        assert request.stream_error == 504  # counted as a 504, not as the 200 its head said
         await asyncio.sleep(0.05)
         assert replica.outcomes == ["cancelled"]
     run(scenario())
