@@ -7,8 +7,10 @@ address the replica's node is reached at, so they hold across Ray nodes.
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 KVRole = Literal["kv_producer", "kv_consumer"]
@@ -26,10 +28,42 @@ class SideChannel:
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port)}
 
 
-def reserve_side_channel(host: str) -> SideChannel:
-    """A port free on `host` now. The engine binds it a few seconds later; a collision in between
-    makes the engine fail to start, and Serve restarts the replica with a new port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LISTEN_FLOOR = 10_000  # below: well-known and registered services
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in _EPHEMERAL.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def reserve_side_channel(host: str, rng: random.Random | None = None) -> SideChannel:
+    """A port free on `host` now, outside the kernel's ephemeral range. The engine binds it a few
+    seconds later. A port from the ephemeral range (what binding port 0 gives) can be taken in
+    between by any outgoing connection on the node, and then vLLM's handshake listener dies and
+    its engine waits for it forever (seen in the suite: `Address already in use`, the decode
+    replica stuck initialising). Outgoing connections and port-0 listeners never take a port
+    outside that range, so only another listener choosing the same port at random could.
+    """
+    rng = rng or random.SystemRandom()
+    low, high = _ephemeral_range()
+    candidates = [(_LISTEN_FLOOR, low - 1)] if low - 1 > _LISTEN_FLOOR else []
+    candidates += [(high + 1, 65535)] if high < 65535 else []
+    for _ in range(64):
+        if not candidates:
+            break
+        start, end = rng.choice(candidates)
+        port = rng.randint(start, end)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return SideChannel(host, port)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # no room outside: any
         probe.bind((host, 0))
         return SideChannel(host, probe.getsockname()[1])
 

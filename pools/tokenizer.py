@@ -31,7 +31,9 @@ def _token_ids(value: Any) -> bool:
 def _text(field: str, content: Any) -> Any:
     """A message's content as the engine's chat template gets it: a string stays, text parts
     are joined with newlines (as vLLM does for string-content templates)."""
-    if content is None or isinstance(content, str):
+    if content is None:  # an assistant turn with tool calls only: vLLM renders ""
+        return ""
+    if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise PromptError(field, "must be a string or a list of content parts")
@@ -93,6 +95,9 @@ class PromptTokenCounter:
         try:
             ids = self._tokenizer.apply_chat_template(shaped, add_generation_prompt=True,
                                                       tokenize=True)
+        except (TypeError, KeyError, AttributeError, ValueError) as exc:  # the messages' fault
+            raise PromptError("messages", f"the chat template cannot render them: {exc!r}"
+                              ) from exc
         except Exception as exc:  # noqa: BLE001 - the template refused these messages
             if type(exc).__module__.startswith("jinja2"):
                 raise PromptError("messages", f"the chat template refused them: {exc}") from exc

@@ -95,6 +95,9 @@ class ReplicaDirectory:
                 pass
 
 
+NO_REPLICA = "no_replica"  # the code of the 503 for a request no replica took (it is refunded)
+
+
 class PoolDispatcher:
     """Places the requests of one pool. Runs on the ingress process's event loop."""
 
@@ -178,7 +181,7 @@ class PoolDispatcher:
             self.service.finished(key.request_id)  # counted on a replica that did not take it
             if not await self._hold(deadline):
                 raise GatewayError(503, f"no replica of pool {self.pool} could take the request "
-                                        f"within the request deadline; retry")
+                                        f"within the request deadline; retry", code=NO_REPLICA)
             skip.clear()
 
     def finished(self, key: RouteKey) -> None:

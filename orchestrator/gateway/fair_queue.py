@@ -85,7 +85,7 @@ class FairQueue:
                                    code="queue_timeout", retry_after_s=1.0) from None
         except BaseException:  # the client went away while waiting
             if waiter.granted.done():
-                self.release(tenant, cost, cost, weight)
+                self.release(tenant, cost, 0.0, weight)  # granted, never served
             else:
                 self._remove(waiter)
             raise

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from orchestrator.gateway.admin import Admin
+from orchestrator.gateway.dispatch import NO_REPLICA
 from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.flows import Flow
@@ -37,7 +38,8 @@ OPENAI = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 MAX_JSON_DEPTH = 64  # an OpenAI body nests under 10 levels; tool schemas a few more
-_JSON_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A string, or an unterminated one to the end: every '"' starts a match, so the scan is linear
+_JSON_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _BRACKET_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
 
@@ -94,7 +96,7 @@ class Routes:
     async def openai(self, endpoint: str, request: HttpRequest, responder: Responder) -> None:
         started = time.monotonic()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        tenant, ticket, call, usage = UNKNOWN_TENANT, None, None, None
+        tenant, ticket, call, usage, untaken = UNKNOWN_TENANT, None, None, None, False
         self.in_flight += 1
         try:
             spec = self._admission.authenticate(request.headers.get("authorization"))
@@ -106,12 +108,15 @@ class Routes:
             call = Call(request_id, endpoint, body, tokens, responder, started, self._timeout_s)
             usage = await self._flow.serve(call, keys)
         except GatewayError as exc:
+            # no replica took it, on any leg: it costs the tenant nothing. A 504 or a client
+            # that left while an engine had it is charged (a whole reply's head comes last).
+            untaken = exc.code == NO_REPLICA and not (call and call.reached_engine)
             if not responder.started:
                 exc.send(responder, {"x-request-id": request_id})
         finally:
             self.in_flight -= 1
-            if ticket is not None:  # refunded if no replica ever took it (429/503/504 here)
-                self._admission.finish(ticket, usage, refund=not (call and call.reached_engine))
+            if ticket is not None:
+                self._admission.finish(ticket, usage, refund=untaken)
             if responder.started:  # a stream that broke counts as its error, not its head
                 status = (call and call.stream_error) or responder.status
                 self._record(request_id, tenant, endpoint, status, started, call, usage,
@@ -147,19 +152,24 @@ class Routes:
         return await asyncio.to_thread(self._tokens_and_keys, request_id, endpoint, body, salt)
 
     def _tokens_and_keys(self, request_id: str, endpoint: str, body: dict[str, Any],
-                         salt: str | None) -> tuple[list[list[int]], dict[str, RouteKey]]:
-        """Counting fails closed: a prompt that cannot be read is refused (400, naming the
-        field), and a tokenizer that fails refuses the request (503), never admits it uncounted.
-        A batch of prompts is routed by load (no one prefix to follow)."""
+                         salt: str | None) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
+        """Where limits read the prompt, counting fails closed: a prompt that cannot be read is
+        refused (400, naming the field), and a tokenizer that fails refuses the request (503),
+        never admits it uncounted. Where only routing reads it, such a request (an image part,
+        say) is routed by load. A batch of prompts is routed by load (no one prefix)."""
         try:
-            prompts = self._counter.prompts(endpoint, body)
+            prompts: list[list[int]] | None = self._counter.prompts(endpoint, body)
         except PromptError as exc:
-            raise GatewayError(400, exc.message, exc.field, code="invalid_prompt") from None
+            if self._admission.needs_tokens:
+                raise GatewayError(400, exc.message, exc.field, code="invalid_prompt") from None
+            prompts = None  # only routing reads it: route by load, the engine judges the body
         except Exception:  # noqa: BLE001 - the tokenizer itself failed
             logger.exception("request_id=%s: counting the prompt's tokens failed", request_id)
-            raise GatewayError(503, "the gateway could not count the prompt's tokens; retry",
-                               code="tokenizer_unavailable") from None
-        tokens = prompts[0] if len(prompts) == 1 else None
+            if self._admission.needs_tokens:
+                raise GatewayError(503, "the gateway could not count the prompt's tokens; "
+                                   "retry", code="tokenizer_unavailable") from None
+            prompts = None
+        tokens = prompts[0] if prompts is not None and len(prompts) == 1 else None
         return prompts, self._flow.keys(request_id, tokens, salt)
 
     async def explain(self, endpoint: str, request: HttpRequest) -> dict[str, Any]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import socket
 import time
 from typing import Any
 
@@ -21,7 +23,7 @@ from orchestrator.gateway.flows import DisaggregatedFlow, UnifiedFlow
 from orchestrator.gateway.http import Responder
 from orchestrator.gateway.relay import Call
 from kvtransfer.metrics import TransferMetrics
-from kvtransfer.nixl import SideChannel, connector_config
+from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from kvtransfer.params import REMOTE_DECODE, decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
 from router.policies import build_policy
@@ -273,7 +275,7 @@ def test_no_replica_wakes_the_pool_then_the_deadline_answers_503() -> None:
         with pytest.raises(GatewayError) as refused:
             await serve(UnifiedFlow(main), request)
         assert refused.value.status == 503 and "main" in refused.value.message
-        assert not request.reached_engine  # so the route refunds the tenant
+        assert refused.value.code == "no_replica" and not request.reached_engine  # refunded
         assert 0.6 <= time.monotonic() - started < 2 and woken
     run(scenario())
 
@@ -337,3 +339,15 @@ def test_connector_config(role: str, gpu: bool, expected: tuple[str, str] | None
 def test_side_channel_env() -> None:
     assert SideChannel("127.0.0.2", 5601).env() == {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.2", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+
+
+def test_side_channel_ports_are_outside_the_ephemeral_range() -> None:
+    """A port-0 reservation can be taken by an outgoing connection before the engine binds it
+    (then vLLM's NIXL listener dies and the engine hangs); outside the range it cannot."""
+    low, high = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    rng = random.Random(0)
+    for _ in range(50):
+        port = reserve_side_channel("127.0.0.1", rng).port
+        assert not low <= port <= high and port >= 10_000
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free when handed out
