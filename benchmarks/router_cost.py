@@ -74,12 +74,12 @@ def time_tokenize_hash(model_path: str, count: int = 30) -> np.ndarray:
     counter, hasher = PromptTokenCounter(model_path), VllmBlockHasher(BLOCK)
     words = "the quick brown fox jumps over a lazy dog while seven green parrots sing".split()
     text = " ".join(words[i % len(words)] + str(i % 97) for i in range(6000))
-    tokens = counter.tokens("completions", {"prompt": text})
+    tokens = counter.prompts("completions", {"prompt": text})[0]
     text = counter._tokenizer.decode(tokens[:8192], skip_special_tokens=True)
     samples = []
     for _ in range(count):
         started = time.perf_counter()
-        ids = counter.tokens("completions", {"prompt": text})
+        ids = counter.prompts("completions", {"prompt": text})[0]
         hasher.block_hashes(ids)
         samples.append(time.perf_counter() - started)
     print(f"tokenise+hash prompt: {len(ids)} tokens")

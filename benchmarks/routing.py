@@ -87,7 +87,8 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list
     except httpx.HTTPError as exc:
         status, error = 599, repr(exc)
     out.append({"sent": sent, "lag": sent - due, "ttft": (first - sent) if first else None,
-                "replica": replica, "done": time.monotonic(), "status": status, "usage": usage, "error": error})
+                "replica": replica, "done": time.monotonic(), "status": status, "usage": usage,
+                "error": error})
 
 
 async def replay(base_url: str, requests: list[dict[str, Any]], prompts: Prompts,

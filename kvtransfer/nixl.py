@@ -52,9 +52,7 @@ def reserve_side_channel(host: str, rng: random.Random | None = None) -> SideCha
     low, high = _ephemeral_range()
     candidates = [(_LISTEN_FLOOR, low - 1)] if low - 1 > _LISTEN_FLOOR else []
     candidates += [(high + 1, 65535)] if high < 65535 else []
-    for _ in range(64):
-        if not candidates:
-            break
+    for _ in range(64 if candidates else 0):
         start, end = rng.choice(candidates)
         port = rng.randint(start, end)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

@@ -415,13 +415,10 @@ class Topology(_Strict):
         if self.auth.enabled and not self.tenants:
             raise ValueError("auth.enabled needs tenants: declare at least one")
         for i, tenant in enumerate(self.tenants):
-            rpm = tenant.limits.requests_per_minute
-            if rpm is not None and rpm < self.gateway.replicas:
-                raise ValueError(
-                    f"tenants.{i}.limits.requests_per_minute ({tenant.name}): {rpm} is below "
-                    f"gateway.replicas ({self.gateway.replicas}); each ingress replica enforces "
-                    "an equal share, and a share under one request would refuse the tenant "
-                    "forever")
+            if (rpm := tenant.limits.requests_per_minute) and rpm < self.gateway.replicas:
+                raise ValueError(f"tenants.{i}.limits.requests_per_minute ({tenant.name}): {rpm} "
+                                 f"< gateway.replicas ({self.gateway.replicas}) would refuse it "
+                                 "forever: each ingress replica's share is under one request")
             unknown = set(tenant.models or ()) - {self.model.name}
             if unknown:
                 raise ValueError(f"tenant {tenant.name}: models {sorted(unknown)} are not served "

@@ -79,10 +79,6 @@ class PromptTokenCounter:
             raise PromptError("prompt", "field required")
         raise PromptError("prompt", f"must be {_PROMPT_SHAPES}")
 
-    def tokens(self, endpoint: str, body: Mapping[str, Any]) -> list[int]:
-        """The token ids of a request with one prompt (the first, for a batch)."""
-        return self.prompts(endpoint, body)[0]
-
     def _chat(self, messages: Any) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise PromptError("messages", "must be a non-empty list of messages")

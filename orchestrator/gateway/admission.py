@@ -125,7 +125,7 @@ class Admission:
         try:
             waited = await self.queue.acquire(tenant.name, cost, tenant.weight, tenant.priority)
         except BaseException:
-            limiter.release(charge, 0, time.monotonic(), refund=True)  # never reached an engine
+            limiter.refund(charge, time.monotonic())
             raise
         finally:
             self.metrics.queued.labels(tenant.name).dec()
@@ -135,16 +135,17 @@ class Admission:
 
     def finish(self, ticket: Ticket, usage: Usage | None, refund: bool = False) -> None:
         """The request ended (answered, failed or abandoned); idempotent. `refund`: no engine
-        ever took it, so it costs the tenant nothing (its request and tokens come back)."""
+        ever took it (so there is no usage), and it costs the tenant nothing."""
         if ticket.settled:
             return
         ticket.settled = True
         name = ticket.tenant.name
         used = usage.prompt_tokens + usage.completion_tokens if usage is not None else None
-        if refund and usage is None:
+        if refund:
             used = 0
-        self._limiters[name].release(ticket.charge, used, time.monotonic(),
-                                     refund=refund and usage is None)
+            self._limiters[name].refund(ticket.charge, time.monotonic())
+        else:
+            self._limiters[name].release(ticket.charge, used, time.monotonic())
         self.queue.release(name, ticket.cost, ticket.cost if used is None else used,
                            ticket.tenant.weight)
         self.metrics.in_flight.labels(name).dec()

@@ -109,12 +109,14 @@ class TenantLimiter:
         self.in_flight += 1
         return Charge(tokens)
 
-    def release(self, charge: Charge, used_tokens: int | None, now: float,
-                refund: bool = False) -> None:
-        """The request ended having used `used_tokens` (None: unknown, nothing comes back).
-        `refund`: it never reached an engine, so its request comes back too."""
+    def release(self, charge: Charge, used_tokens: int | None, now: float) -> None:
+        """The request ended having used `used_tokens` (None: unknown, nothing comes back)."""
         self.in_flight -= 1
         if self._tokens is not None and used_tokens is not None:  # more used: the debt stays
             self._tokens.give_back(charge.tokens - used_tokens, now)
-        if refund and self._requests is not None:
+
+    def refund(self, charge: Charge, now: float) -> None:
+        """The request never reached an engine: its request and all its tokens come back."""
+        self.release(charge, 0, now)
+        if self._requests is not None:
             self._requests.give_back(1, now)

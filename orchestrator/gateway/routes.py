@@ -57,6 +57,12 @@ def too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0) > limit
 
 
+def _single(prompts: list[list[int]] | None) -> list[int] | None:
+    """The token ids of a request with one prompt; None for a batch (no one prefix to follow,
+    routed by load) or when they were not counted."""
+    return prompts[0] if prompts is not None and len(prompts) == 1 else None
+
+
 class Routes:
     """Answers every request of one ingress replica's HTTP server."""
 
@@ -104,8 +110,8 @@ class Routes:
             body = self._admission.shape(spec, endpoint, self.read_body(request))
             prompts, keys = await self._prepare(request_id, endpoint, body)
             ticket = await self._admission.admit(spec, endpoint, body, prompts)
-            tokens = prompts[0] if prompts is not None and len(prompts) == 1 else None
-            call = Call(request_id, endpoint, body, tokens, responder, started, self._timeout_s)
+            call = Call(request_id, endpoint, body, _single(prompts), responder, started,
+                        self._timeout_s)
             usage = await self._flow.serve(call, keys)
         except GatewayError as exc:
             # no replica took it, on any leg: it costs the tenant nothing. A 504 or a client
@@ -169,8 +175,7 @@ class Routes:
                 raise GatewayError(503, "the gateway could not count the prompt's tokens; "
                                    "retry", code="tokenizer_unavailable") from None
             prompts = None
-        tokens = prompts[0] if prompts is not None and len(prompts) == 1 else None
-        return prompts, self._flow.keys(request_id, tokens, salt)
+        return prompts, self._flow.keys(request_id, _single(prompts), salt)
 
     async def explain(self, endpoint: str, request: HttpRequest) -> dict[str, Any]:
         """How each pool would place this request now (`/tokenfab/route/...`)."""
