@@ -37,6 +37,11 @@ logger = logging.getLogger("ray.serve").getChild("tokenfab.access")
 OPENAI = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
+# Bodies up to this size are tokenised and hashed on the event loop. Measured here (the tiny
+# model's fast tokenizer): an 11-character prompt costs 21 us and a 600-character one 160 us,
+# while the hop through asyncio.to_thread costs 170 us idle and 0.4-0.6 ms at p50 in a loaded
+# gateway. Longer prompts go to the thread, where the tokenizer releases the GIL.
+INLINE_TOKENIZE_BYTES = 512  # at most ~150 us of the loop
 MAX_JSON_DEPTH = 64  # an OpenAI body nests under 10 levels; tool schemas a few more
 # A string, or an unterminated one to the end: every '"' starts a match, so the scan is linear
 _JSON_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
@@ -108,7 +113,7 @@ class Routes:
             spec = self._admission.authenticate(request.headers.get("authorization"))
             tenant = spec.name
             body = self._admission.shape(spec, endpoint, self.read_body(request))
-            prompts, keys = await self._prepare(request_id, endpoint, body)
+            prompts, keys = await self._prepare(request_id, endpoint, body, len(request.body))
             ticket = await self._admission.admit(spec, endpoint, body, prompts)
             call = Call(request_id, endpoint, body, _single(prompts), responder, started,
                         self._timeout_s)
@@ -148,13 +153,17 @@ class Routes:
             raise GatewayError(404, f"The model `{model}` does not exist.", "model")
         return body
 
-    async def _prepare(self, request_id: str, endpoint: str, body: dict[str, Any]
-                       ) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
-        """Each prompt's token ids (if anything reads them) and the flow's route keys."""
+    async def _prepare(self, request_id: str, endpoint: str, body: dict[str, Any],
+                       size: int) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
+        """Each prompt's token ids (if anything reads them) and the flow's route keys. A body
+        of `size` bytes up to INLINE_TOKENIZE_BYTES is counted on the loop: the hop to a thread
+        and back costs more than its tokens (see INLINE_TOKENIZE_BYTES)."""
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
         if not self._needs_tokens:
             return None, self._flow.keys(request_id, None, salt)
+        if size <= INLINE_TOKENIZE_BYTES:
+            return self._tokens_and_keys(request_id, endpoint, body, salt)
         return await asyncio.to_thread(self._tokens_and_keys, request_id, endpoint, body, salt)
 
     def _tokens_and_keys(self, request_id: str, endpoint: str, body: dict[str, Any],
