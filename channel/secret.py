@@ -1,5 +1,6 @@
-"""The key a gateway presents to a replica's channel: random, made once per application, kept in
-Ray's GCS key-value store, which only processes of the Ray cluster can read.
+"""The key a gateway presents to a replica's channel, and the other keys of an application
+(the cache-salt key of gateway.tenancy): random, made once per application, kept in Ray's GCS
+key-value store, which only processes of the Ray cluster can read.
 
 It never travels in a topology, a Serve config, a log or a label; it survives restarts of
 gateways and replicas (the GCS outlives them) and dies with the cluster.
@@ -17,13 +18,19 @@ NAMESPACE = "tokenfab"
 def channel_secret(app: str) -> bytes:
     """The application's channel key, made on first use. Blocking (a GCS round trip): call it
     once at start-up, off any event loop."""
+    return cluster_secret(f"channel-secret/{app}")
+
+
+def cluster_secret(name: str) -> bytes:
+    """A random key kept in the GCS under `name`, made by whoever asks first; the same for every
+    process of the cluster after that. Blocking (a GCS round trip)."""
     from ray.experimental import internal_kv
 
-    key = f"channel-secret/{app}".encode()
+    key = name.encode()
     # put-if-absent: whoever comes first decides; everyone then reads the same value
     internal_kv._internal_kv_put(key, secrets.token_bytes(SECRET_BYTES), overwrite=False,
                                  namespace=NAMESPACE)
     value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
     if not value or len(value) != SECRET_BYTES:
-        raise RuntimeError(f"channel secret of {app!r} is missing from the GCS")
+        raise RuntimeError(f"secret {name!r} is missing from the GCS")
     return value

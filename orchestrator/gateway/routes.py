@@ -187,8 +187,12 @@ class Routes:
         return prompts, self._flow.keys(request_id, _single(prompts), salt)
 
     async def explain(self, endpoint: str, request: HttpRequest) -> dict[str, Any]:
-        """How each pool would place this request now (`/tokenfab/route/...`)."""
-        body = self.read_body(request)
+        """How each pool would place this request now (`/tokenfab/route/...`), as the caller's
+        own request would be placed: its key names the tenant whose cache salt the request
+        carries (401 without one, where auth is on), so the answer shows only the caller's own
+        cache, never another tenant's."""
+        spec = self._admission.authenticate(request.headers.get("authorization"))
+        body = self._admission.shape(spec, endpoint, self.read_body(request))
         salt = body.get("cache_salt")
         _, keys = await asyncio.to_thread(self._tokens_and_keys, "explain", endpoint, body,
                                           salt if isinstance(salt, str) else None)

@@ -6,8 +6,11 @@ nothing about the stored keys.
 
 Cache isolation: vLLM hashes `cache_salt` into a prompt's first KV block, so requests with
 different salts never share cached blocks. Every declared tenant's requests carry the salt of its
-cache group (its own name unless it names a shared `cache_group`), derived here and joined to
-any salt the client sent, so no client can choose another tenant's salt.
+cache group (its own name unless it names a shared `cache_group`), joined to any salt the client
+sent, so no client can choose another tenant's salt. The group's salt is an HMAC of the group's
+name under the application's salt key (a secret of the cluster, `SALT_KEY_NAME`): tenant and
+application names are not secret, so a salt derived from them alone could be computed by anyone
+and sent to probe another tenant's cache.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from orchestrator.gateway.errors import GatewayError
 from orchestrator.config import TenantSpec, Topology
 
 DEFAULT_TENANT = "default"
+
+
+def salt_key_name(app: str) -> str:
+    """Where the application's cache-salt key lives in the GCS (channel.secret.cluster_secret)."""
+    return f"cache-salt-key/{app}"
 
 
 def hash_key(key: str) -> str:
@@ -42,8 +50,10 @@ def read_key_file(path: str | Path) -> dict[str, list[str]]:
 class Tenants:
     """The tenants of one topology, with their keys (topology and key file merged)."""
 
-    def __init__(self, topology: Topology, extra_keys: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, topology: Topology, extra_keys: dict[str, list[str]] | None = None,
+                 salt_key: bytes | None = None) -> None:
         self.auth = topology.auth.enabled
+        self._salt_key = salt_key
         self._app = topology.name
         self._model = topology.model.name
         self._by_name = {tenant.name: tenant for tenant in topology.tenants}
@@ -60,9 +70,9 @@ class Tenants:
                 self._by_digest[digest] = self._by_name[name]
 
     @classmethod
-    def from_topology(cls, topology: Topology) -> Tenants:
+    def from_topology(cls, topology: Topology, salt_key: bytes) -> Tenants:
         keys = read_key_file(topology.auth.key_file) if topology.auth.key_file else None
-        return cls(topology, keys)
+        return cls(topology, keys, salt_key)
 
     def spec(self, name: str) -> TenantSpec:
         return self._by_name.get(name, self.default)
@@ -101,6 +111,9 @@ class Tenants:
         implicit tenant of a topology without auth shares one cache, as a bare engine does."""
         if tenant is self.default and self._implicit_default:
             return client_salt
+        if not self._salt_key:
+            raise RuntimeError("tenant cache salts need the application's salt key")
         group = tenant.cache_group or f"tenant:{tenant.name}"
-        salt = hashlib.sha256(f"tokenfab/{self._app}/{group}".encode()).hexdigest()[:32]
+        salt = hmac.new(self._salt_key, f"tokenfab/{self._app}/{group}".encode(),
+                        hashlib.sha256).hexdigest()[:32]
         return f"{salt}.{client_salt}" if client_salt else salt

@@ -4,6 +4,7 @@ prefix-cache isolation and per-tenant metrics (topology-tenants.yaml)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -179,6 +180,34 @@ def test_prefix_cache_is_isolated_between_tenants(root: str) -> None:
     response = _post(root, "beta-key", {"model": MODEL, "prompt": SHARED_PROMPT, "max_tokens": 1,
                                         "cache_salt": "alpha"})
     assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_no_caller_can_probe_another_tenants_cache(root: str) -> None:
+    """The attack of issue 15: alpha sends a prompt; then a caller with no key, or with beta's,
+    sends it with the salt alpha's requests used to carry (a hash of the app's and the
+    tenant's names, both public) and asks the explain route or the engine whether it is
+    cached."""
+    prompt = SHARED_PROMPT.replace("probe", "cache probe")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    explain = "/tokenfab/route/completions"
+    assert _cached(root, "alpha-key", prompt) == 0
+
+    def alpha_sees_its_blocks() -> bool:  # the control: the map holds alpha's blocks
+        candidates = _post(root, "alpha-key", body, path=explain).json()["main"]["candidates"]
+        return max(c["cached_tokens"] for c in candidates) >= 128
+    deadline = time.monotonic() + 30
+    while not alpha_sees_its_blocks():
+        assert time.monotonic() < deadline, "alpha's blocks never reached the router's map"
+        time.sleep(0.2)
+    public = hashlib.sha256(b"tokenfab/itest-tenants/tenant:alpha").hexdigest()[:32]
+    probe = body | {"cache_salt": public}
+    keyless = _post(root, None, probe, path=explain)
+    assert keyless.status_code == 401, keyless.text
+    foreign = _post(root, "beta-key", probe, path=explain)
+    assert foreign.status_code == 200, foreign.text
+    assert [c["cached_tokens"] for c in foreign.json()["main"]["candidates"]] == [0]
+    answered = _post(root, "beta-key", probe)
+    assert answered.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_tenants_in_a_cache_group_share_hits(root: str) -> None:

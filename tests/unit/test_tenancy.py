@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,6 +19,7 @@ from orchestrator.gateway.tenancy import Tenants, hash_key, read_key_file
 from channel.frames import Usage
 from pools.usage import StreamMeter, usage_of, with_stream_usage
 
+KEY = bytes(range(32))  # an application's salt key (channel.secret.cluster_secret in a gateway)
 BASE = {"name": "t", "model": {"name": "tiny", "path": "/m"},
         "pools": [{"name": "main", "role": "unified", "resources": {"kv_cache_bytes": "64MiB"}}]}
 
@@ -54,13 +57,25 @@ def test_auth_off_is_one_default_tenant_without_salt() -> None:
 
 
 def test_cache_salts_isolate_tenants_unless_they_share_a_group() -> None:
-    tenants = Tenants(topology(auth={"enabled": True}, tenants=tenants_doc()))
+    tenants = Tenants(topology(auth={"enabled": True}, tenants=tenants_doc()), salt_key=KEY)
     acme, beta, gamma = (tenants.spec(n) for n in ("acme", "beta", "gamma"))
     assert tenants.cache_salt(acme, None) != tenants.cache_salt(beta, None)
     assert tenants.cache_salt(beta, None) == tenants.cache_salt(gamma, None)
     # a client cannot pick another tenant's salt: its own is appended to its tenant's
     assert tenants.cache_salt(acme, tenants.cache_salt(beta, None)) != \
         tenants.cache_salt(beta, None)
+
+
+def test_cache_salts_cannot_be_computed_from_public_names() -> None:
+    doc = topology(auth={"enabled": True}, tenants=tenants_doc())
+    acme = doc.tenants[0]
+    salt = Tenants(doc, salt_key=KEY).cache_salt(acme, None)
+    # what the salt was before it was keyed: the app's and the tenant's names, both public
+    assert salt != hashlib.sha256(b"tokenfab/t/tenant:acme").hexdigest()[:32]
+    assert salt == hmac.new(KEY, b"tokenfab/t/tenant:acme", hashlib.sha256).hexdigest()[:32]
+    assert Tenants(doc, salt_key=bytes(32)).cache_salt(acme, None) != salt
+    with pytest.raises(RuntimeError, match="salt key"):  # never a salt anyone could compute
+        Tenants(doc).cache_salt(acme, None)
 
 
 def test_model_permission_is_403() -> None:
