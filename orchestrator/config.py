@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+from pydantic import (Field, ValidationError, WithJsonSchema, field_validator,
                       model_validator)
 
+from orchestrator.strict import Strict as _Strict
+# The tenant and admission sections live in their own module; they are part of this document
+from orchestrator.tenant_config import AdmissionSpec, AuthSpec, TenantSpec
 from tokenfab.errors import TopologyError
 
 PoolRole = Literal["unified", "prefill", "decode"]
@@ -53,10 +56,6 @@ def parse_bytes(value: Any) -> int:
 ByteSize = Annotated[int, Field(gt=0), WithJsonSchema({"anyOf": [
     {"type": "integer", "exclusiveMinimum": 0},
     {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGTkmgt]i?[Bb]?|[Bb])?\s*$"}]})]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelSpec(_Strict):
@@ -222,67 +221,6 @@ class GatewaySpec(_Strict):
     @classmethod
     def _bytes(cls, value: Any) -> Any:
         return parse_bytes(value)
-
-
-KeyDigest = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
-PriorityClass = Literal["high", "normal", "low"]
-
-
-class TenantLimits(_Strict):
-    """Per-tenant limits, enforced by each ingress replica (null: no limit)."""
-
-    requests_per_minute: int | None = Field(None, ge=1, description="Requests admitted per minute.")
-    tokens_per_minute: int | None = Field(
-        None, ge=1, description="Prompt plus completion tokens per minute. A request is charged "
-        "its prompt and its max_tokens when admitted and refunded what it did not generate.")
-    max_concurrent: int | None = Field(None, ge=1, description="Requests in flight at once.")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt accepted.")
-    max_output_tokens: int | None = Field(
-        None, ge=1, description="Largest max_tokens accepted; also the default when a request "
-        "sets none.")
-
-
-class TenantSpec(_Strict):
-    """A customer of the gateway: its keys, what it may use, and how it shares the cluster."""
-
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$", description="Tenant name (a label).")
-    api_keys: list[KeyDigest] = Field(
-        default_factory=list, description="SHA-256 digests of the tenant's API keys, "
-        "`sha256:<hex>` (`tokenfab hash-key` prints one); several for rotation. Keys can also "
-        "come from auth.key_file.")
-    models: list[str] | None = Field(None, description="Models the tenant may use; null: all.")
-    weight: float = Field(1.0, gt=0, description="Share of the cluster when it is saturated.")
-    priority: PriorityClass = Field(
-        "normal", description="Queued requests of a higher class are admitted first.")
-    cache_group: str | None = Field(
-        None, pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
-        description="Tenants naming the same group share prefix-cache hits; null: the tenant's "
-        "prompts are cached apart from everyone else's.")
-    limits: TenantLimits = Field(default_factory=TenantLimits)
-
-
-class AuthSpec(_Strict):
-    """How the gateway tells tenants apart."""
-
-    enabled: bool = Field(
-        False, description="Require an API key (Authorization: Bearer). Off: every request is "
-        "tenant `default` (declare a tenant named default to give it limits).")
-    key_file: str | None = Field(
-        None, description="YAML mapping of tenant name to a list of key digests, read when the "
-        "gateway starts (the Helm chart mounts its tenant-keys Secret here).")
-
-
-class AdmissionSpec(_Strict):
-    """Admission into the pools: beyond `max_in_flight`, requests wait in a fair queue."""
-
-    max_in_flight: int | None = Field(
-        None, ge=1, description="Requests one ingress replica lets into the pools at once; more "
-        "wait, and tenants are served by weight on tokens (virtual token counters), higher "
-        "priority classes first. null: no queue.")
-    max_queued_per_tenant: int = Field(
-        64, ge=0, description="Waiting requests per tenant; beyond, 429.")
-    queue_timeout_s: float = Field(
-        30.0, gt=0, description="Longest wait in the queue; beyond, 503.")
 
 
 class DisaggregationSpec(_Strict):

@@ -19,7 +19,8 @@ from orchestrator.gateway.fair_queue import FairQueue
 from orchestrator.gateway.limits import Charge, TenantLimiter
 from orchestrator.gateway.metrics import REJECTION_REASONS, UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.gateway.tenancy import Tenants
-from orchestrator.config import TenantSpec, Topology
+from orchestrator.config import Topology
+from orchestrator.tenant_config import TenantSpec
 
 DEFAULT_OUTPUT_ESTIMATE = 256  # tokens charged up front when a request sets no max_tokens
 _OUTPUT_FIELDS = {"completions": "max_tokens", "chat": "max_completion_tokens"}

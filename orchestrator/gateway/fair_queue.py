@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from orchestrator.gateway.errors import GatewayError
-from orchestrator.config import PriorityClass
+from orchestrator.tenant_config import PriorityClass
 
 _CLASS_ORDER: dict[PriorityClass, int] = {"high": 0, "normal": 1, "low": 2}
 

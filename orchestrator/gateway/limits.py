@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from orchestrator.gateway.errors import GatewayError
-from orchestrator.config import TenantLimits
+from orchestrator.tenant_config import TenantLimits
 
 
 class TokenBucket:

@@ -22,7 +22,8 @@ from pathlib import Path
 import yaml
 
 from orchestrator.gateway.errors import GatewayError
-from orchestrator.config import TenantSpec, Topology
+from orchestrator.config import Topology
+from orchestrator.tenant_config import TenantSpec
 
 DEFAULT_TENANT = "default"
 

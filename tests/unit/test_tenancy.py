@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orchestrator.gateway.errors import GatewayError
-from orchestrator.config import TenantLimits, TenantSpec, parse_topology
+from orchestrator.config import parse_topology
+from orchestrator.tenant_config import TenantLimits, TenantSpec
 from orchestrator.gateway.admission import Admission, choices, cost_tokens
 from orchestrator.gateway.metrics import GatewayMetrics
 from tokenfab.errors import TopologyError
