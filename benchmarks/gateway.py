@@ -47,6 +47,7 @@ RESULTS = Path(__file__).parent / "results"
 MODEL_PATH = str(Path("~/.cache/tokenfab/models/tiny-llama").expanduser())
 BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0}
 KEY = "bench-key"
+ADMIN_KEY = "bench-admin-key"  # reads /tokenfab/replicas
 CLIENTS = 32
 VLLM_PORT = 8124
 KV_CACHE_BYTES = 64 << 20
@@ -61,7 +62,7 @@ TOPOLOGY = {
     "pools": [{"name": "main", "role": "unified", "replicas": 1, "max_ongoing_requests": 256,
                "resources": {"cpus": 1, "kv_cache_bytes": KV_CACHE_BYTES, "pin_cores": True}}],
     "gateway": {"host": "127.0.0.1", "port": 8013},
-    "auth": {"enabled": True},
+    "auth": {"enabled": True, "admin_keys": [hash_key(ADMIN_KEY)]},
     "tenants": [{"name": "bench", "api_keys": [hash_key(KEY)],
                  "limits": {"requests_per_minute": 10_000_000, "tokens_per_minute": 100_000_000,
                             "max_concurrent": 10_000, "max_prompt_tokens": 2048}}],
@@ -139,7 +140,9 @@ def tokenfab(count: int, seconds: float) -> tuple[list[float], float, int, list[
             assert response.status_code == 200, response.text
 
         fronts = _sequential(front, count)
-        replica = _channel_direct(topology, http.get(f"{root}/tokenfab/replicas").json()[0], count)
+        reports = http.get(f"{root}/tokenfab/replicas",
+                           headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
+        replica = _channel_direct(topology, reports[0], count)
         rps, failed = asyncio.run(_max_rps(f"{root}/v1/completions", headers, seconds))
         remove(topology)
     finally:

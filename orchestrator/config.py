@@ -349,6 +349,14 @@ class Topology(_Strict):
         return tenants
 
     @model_validator(mode="after")
+    def _admin_keys_apart(self) -> "Topology":
+        shared = set(self.auth.admin_keys) & {k for t in self.tenants for k in t.api_keys}
+        if shared:
+            raise ValueError(f"auth.admin_keys: {sorted(shared)[0]} is also a tenant's API key; "
+                             "an admin key must be a key of its own")
+        return self
+
+    @model_validator(mode="after")
     def _auth_inputs(self) -> "Topology":
         if self.auth.enabled and not self.tenants:
             raise ValueError("auth.enabled needs tenants: declare at least one")

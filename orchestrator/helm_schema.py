@@ -68,11 +68,22 @@ def values_schema() -> dict[str, Any]:
                            "`tokenfab hash-key`), by tenant; mounted as auth.key_file.",
                            "additionalProperties": {"type": "array", "minItems": 1, "items": {
                                "type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}}},
+            "adminKeys": {"type": "array", "description": "Admin key digests (sha256:<hex>); "
+                          "mounted as auth.admin_key_file. With auth on, /metrics and /tokenfab/* "
+                          "answer only these keys.",
+                          "items": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}},
             "hfTokenSecret": {"type": "string"},
             "serviceMonitor": {"type": "object", "additionalProperties": False,
                                "properties": {"enabled": {"type": "boolean"},
                                               "interval": {"type": "string"},
-                                              "labels": {"type": "object"}}},
+                                              "labels": {"type": "object"},
+                                              "adminKeySecret": {
+                                                  "type": "object", "additionalProperties": False,
+                                                  "description": "An existing Secret holding an "
+                                                  "admin key in clear, which Prometheus sends; "
+                                                  "needed when auth is on.",
+                                                  "properties": {"name": {"type": "string"},
+                                                                 "key": {"type": "string"}}}}},
         },
         "$defs": defs,
     }

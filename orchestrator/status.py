@@ -6,6 +6,7 @@ process to join the Ray cluster.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -39,14 +40,23 @@ def gateway_url(topology: Topology) -> str:
     return f"http://{host}:{gateway.port}{gateway.route_prefix.rstrip('/')}"
 
 
+ADMIN_KEY_ENV = "TOKENFAB_ADMIN_KEY"
+
+
 def _from_gateway(topology: Topology, path: str) -> Any:
-    """JSON from one of the gateway's /tokenfab routes; None while the gateway is not up."""
+    """JSON from one of the gateway's /tokenfab routes, with the admin key of $TOKENFAB_ADMIN_KEY
+    if set; None while the gateway is not up. A gateway that refuses the key is an error."""
+    key = os.environ.get(ADMIN_KEY_ENV, "").strip()
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        response = httpx.get(f"{gateway_url(topology)}{path}", timeout=10, trust_env=False)
-        response.raise_for_status()
+        response = httpx.get(f"{gateway_url(topology)}{path}", timeout=10, trust_env=False,
+                             headers=headers)
     except httpx.HTTPError:
         return None
-    return response.json()
+    if response.status_code in (401, 403):
+        raise ClusterError(f"the gateway refused {path} ({response.status_code}): with auth on, "
+                           f"set {ADMIN_KEY_ENV} to an admin key (auth.admin_keys)")
+    return response.json() if response.is_success else None
 
 
 def collect(dashboard_url: str, app: str | None) -> tuple[list[dict[str, Any]], dict[str, int]]:

@@ -55,6 +55,15 @@ class AuthSpec(_Strict):
     key_file: str | None = Field(
         None, description="YAML mapping of tenant name to a list of key digests, read when the "
         "gateway starts (the Helm chart mounts its tenant-keys Secret here).")
+    admin_keys: list[KeyDigest] = Field(
+        default_factory=list, description="SHA-256 digests of admin keys (`tokenfab hash-key`). "
+        "With auth enabled, /metrics and the /tokenfab/ routes (replicas, router, autoscaler, "
+        "pd) answer only a request that presents one as Authorization: Bearer; `tokenfab "
+        "status` sends TOKENFAB_ADMIN_KEY, the chart's ServiceMonitor its admin-key Secret. "
+        "More can come from admin_key_file.")
+    admin_key_file: str | None = Field(
+        None, description="YAML list of admin key digests, read when the gateway starts (the "
+        "Helm chart mounts its admin digests here).")
 
 
 class AdmissionSpec(_Strict):

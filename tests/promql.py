@@ -50,10 +50,13 @@ def dashboard_series(model: dict[str, Any] | None = None, rows: set[str] | None 
     return found
 
 
-def scrape(url: str) -> list[Any]:
-    """Every sample a Prometheus endpoint exports now."""
+def scrape(url: str, key: str | None = None) -> list[Any]:
+    """Every sample a Prometheus endpoint exports now (presenting `key` as a bearer key)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url, trust_env=False, timeout=10).text
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    response = httpx.get(url, trust_env=False, timeout=10, headers=headers)
+    response.raise_for_status()
+    text = response.text
     return [sample for family in text_string_to_metric_families(text) for sample in family.samples]

@@ -1,7 +1,8 @@
 """The gateway's own routes: health, readiness, metrics and introspection (`/tokenfab/...`).
 
 None of these is on the request path of a completion; they read the replica registry and the
-routing services when asked.
+routing services when asked. With auth on, those that name tenants or show the cluster's inside
+(`ADMIN_ONLY`) answer only an admin key.
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ from kvtransfer.metrics import TransferMetrics
 logger = logging.getLogger("ray.serve").getChild("tokenfab.admin")
 
 Explain = Callable[[str, HttpRequest], Awaitable[dict[str, Any]]]  # raises GatewayError
+Guard = Callable[[str | None], None]  # the Authorization header; raises GatewayError to refuse
+# Routes that name tenants or show the cluster's inside: with auth on, an admin key only. The
+# probes (/health, /ready, /-/healthz, /-/routes) stay open; the explain route takes a tenant key.
+ADMIN_ONLY = frozenset({"/metrics", "/tokenfab/pd", "/tokenfab/replicas", "/tokenfab/autoscaler",
+                        "/tokenfab/router"})
 _encode = msgspec.json.encode
 
 
 class Admin:
     def __init__(self, app: str, pools: Mapping[str, PoolDispatcher], directory: ReplicaDirectory,
                  registry: CollectorRegistry, replica_id: str, route_prefix: str,
-                 transfers: TransferMetrics | None) -> None:
-        self._app, self._pools, self._directory = app, pools, directory
+                 transfers: TransferMetrics | None, guard: Guard) -> None:
+        self._app, self._pools, self._directory, self._guard = app, pools, directory, guard
         self._registry, self._replica_id = registry, replica_id
         self._route_prefix, self._transfers = route_prefix, transfers
         self._gets: dict[str, Callable[[Responder], Awaitable[None]]] = {
@@ -47,6 +53,11 @@ class Admin:
         if route is not None:
             if request.method != "GET":
                 return send_error(responder, 405, "Method Not Allowed")
+            if path in ADMIN_ONLY:
+                try:
+                    self._guard(request.headers.get("authorization"))
+                except GatewayError as exc:
+                    return exc.send(responder)
             return await route(responder)
         if path.startswith("/tokenfab/route/"):
             if request.method != "POST":

@@ -100,7 +100,7 @@ class Gateway:
                 topology_.disaggregation, transfers)
         gateway = topology_.gateway
         admin = Admin(topology_.name, self._pools, self._directory, registry, replica_id,
-                      gateway.route_prefix, transfers)
+                      gateway.route_prefix, transfers, tenants.authenticate_admin)
         self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter)
         self._server = HttpServer(routes.handle, gateway.max_body_bytes)
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")

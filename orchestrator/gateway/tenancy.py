@@ -38,6 +38,15 @@ def hash_key(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
+def read_admin_key_file(path: str | Path) -> list[str]:
+    """An admin key file: a YAML list of key digests."""
+    data = yaml.safe_load(Path(path).expanduser().read_text()) or []
+    if not isinstance(data, list) or not all(isinstance(k, str) and k.startswith("sha256:")
+                                             for k in data):
+        raise ValueError(f"{path}: expected a list of admin key digests (sha256:<hex>)")
+    return list(data)
+
+
 def read_key_file(path: str | Path) -> dict[str, list[str]]:
     """A key file: a YAML mapping of tenant name to a list of key digests."""
     data = yaml.safe_load(Path(path).expanduser().read_text()) or {}
@@ -52,9 +61,11 @@ class Tenants:
     """The tenants of one topology, with their keys (topology and key file merged)."""
 
     def __init__(self, topology: Topology, extra_keys: dict[str, list[str]] | None = None,
-                 salt_key: bytes | None = None) -> None:
+                 salt_key: bytes | None = None, extra_admin_keys: list[str] | None = None
+                 ) -> None:
         self.auth = topology.auth.enabled
         self._salt_key = salt_key
+        self._admin_digests = [*topology.auth.admin_keys, *(extra_admin_keys or [])]
         self._app = topology.name
         self._model = topology.model.name
         self._by_name = {tenant.name: tenant for tenant in topology.tenants}
@@ -72,8 +83,10 @@ class Tenants:
 
     @classmethod
     def from_topology(cls, topology: Topology, salt_key: bytes) -> Tenants:
-        keys = read_key_file(topology.auth.key_file) if topology.auth.key_file else None
-        return cls(topology, keys, salt_key)
+        auth = topology.auth
+        keys = read_key_file(auth.key_file) if auth.key_file else None
+        admin = read_admin_key_file(auth.admin_key_file) if auth.admin_key_file else None
+        return cls(topology, keys, salt_key, admin)
 
     def spec(self, name: str) -> TenantSpec:
         return self._by_name.get(name, self.default)
@@ -93,12 +106,36 @@ class Tenants:
         if scheme.lower() != "bearer" or not key.strip():
             raise GatewayError(401, "malformed Authorization header: expected Bearer <key>",
                                code="invalid_api_key")
-        digest, found = hash_key(key.strip()), None
+        found = self._tenant_of(hash_key(key.strip()))
+        if found is None:
+            raise GatewayError(401, "invalid API key", code="invalid_api_key")
+        return found
+
+    def authenticate_admin(self, authorization: str | None) -> None:
+        """Pass a request that presents an admin key (`auth.admin_keys`); with auth off, every
+        request. 401 without a key or with an unknown one, 403 with a tenant's key."""
+        if not self.auth:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise GatewayError(401, "missing admin key: send Authorization: Bearer <admin key>",
+                               code="invalid_api_key")
+        digest, admin = hash_key(key.strip()), False
+        for stored in self._admin_digests:  # every digest, each in constant time
+            admin |= hmac.compare_digest(stored, digest)
+        if admin:
+            return
+        if self._tenant_of(digest) is not None:
+            hint = "" if self._admin_digests else " (none is configured: auth.admin_keys)"
+            raise GatewayError(403, f"this route needs an admin key, not a tenant's{hint}",
+                               code="admin_key_required")
+        raise GatewayError(401, "invalid admin key", code="invalid_api_key")
+
+    def _tenant_of(self, digest: str) -> TenantSpec | None:
+        found = None
         for stored, tenant in self._by_digest.items():  # every digest, each in constant time
             if hmac.compare_digest(stored, digest):
                 found = tenant
-        if found is None:
-            raise GatewayError(401, "invalid API key", code="invalid_api_key")
         return found
 
     def authorize(self, tenant: TenantSpec, model: str) -> None:

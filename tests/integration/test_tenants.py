@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from orchestrator.config import Topology
-from orchestrator.status import gateway_url
+from orchestrator.status import ADMIN_KEY_ENV, collect, gateway_url
+from tokenfab.errors import ClusterError
 from tests.integration.conftest import ROOT, up
 from tests.promql import scrape
 
@@ -41,6 +42,11 @@ def _client(root: str, key: str | None) -> openai.OpenAI:
                          http_client=httpx.Client(trust_env=False, timeout=120))
 
 
+def _get(root: str, key: str | None, path: str) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(f"{root}{path}", headers=headers, trust_env=False, timeout=30)
+
+
 def _post(root: str, key: str | None, body: dict[str, Any], path: str = "/v1/completions",
           **kw: Any) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -48,8 +54,11 @@ def _post(root: str, key: str | None, body: dict[str, Any], path: str = "/v1/com
                       **kw)
 
 
+ADMIN_KEY = "admin-key"
+
+
 def _metric(root: str, name: str, **labels: str) -> float:
-    return sum(s.value for s in scrape(f"{root}/metrics")
+    return sum(s.value for s in scrape(f"{root}/metrics", ADMIN_KEY)
                if s.name == name and labels.items() <= s.labels.items())
 
 
@@ -277,7 +286,7 @@ def test_backlogged_tenants_are_served_by_weight(root: str) -> None:
 
 
 def test_per_tenant_metrics_without_prompt_text(root: str) -> None:
-    text = httpx.get(f"{root}/metrics", trust_env=False).text
+    text = _get(root, ADMIN_KEY, "/metrics").text
     assert "tenant isolation probe" not in text and "fairness" not in text
     assert _metric(root, "tokenfab_gateway_requests_total", tenant="alpha", code="200") >= 3
     assert _metric(root, "tokenfab_gateway_requests_total", tenant="-", code="401") >= 2
@@ -288,6 +297,31 @@ def test_per_tenant_metrics_without_prompt_text(root: str) -> None:
     assert _metric(root, "tokenfab_gateway_tokens_total", tenant="alpha", kind="completion") >= 8
     assert _metric(root, "tokenfab_gateway_ttft_seconds_count", tenant="alpha") >= 2
     assert _metric(root, "tokenfab_gateway_itl_seconds_count", tenant="alpha") >= 7
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/tokenfab/replicas", "/tokenfab/router",
+                                  "/tokenfab/autoscaler", "/tokenfab/pd"])
+def test_admin_routes_answer_only_an_admin_key(root: str, path: str) -> None:
+    """Tenant names are labels of /metrics, and the /tokenfab routes show the cluster's inside:
+    nobody without an admin key reads them."""
+    for key, status in [(None, 401), ("not-a-key", 401), ("alpha-key", 403)]:
+        response = _get(root, key, path)
+        assert response.status_code == status, (key, response.text)
+        assert "alpha" not in response.text and "tokenfab_" not in response.text
+    assert _get(root, ADMIN_KEY, path).status_code == 200
+    # an admin key is not a tenant's: it sends no completions
+    assert _post(root, ADMIN_KEY, {"model": MODEL, "prompt": "x", "max_tokens": 1}
+                 ).status_code == 401
+
+
+def test_status_presents_the_admin_key(tenants: Topology, monkeypatch) -> None:
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
+    with pytest.raises(ClusterError, match=ADMIN_KEY_ENV):
+        collect(tenants.cluster.dashboard_url, tenants.name)
+    monkeypatch.setenv(ADMIN_KEY_ENV, ADMIN_KEY)
+    rows, _ = collect(tenants.cluster.dashboard_url, tenants.name)
+    assert [(row["pool"], row["state"]) for row in rows] == [("main", "RUNNING")]
+    assert "kv_usage" in rows[0]  # the replica's report, which /tokenfab/replicas gave
 
 
 def test_health_and_ready(root: str) -> None:

@@ -15,7 +15,7 @@ import yaml
 from orchestrator.config import parse_topology
 from orchestrator.deploy import application_config, topology_of
 from orchestrator.helm_schema import values_schema
-from orchestrator.gateway.tenancy import Tenants, hash_key, read_key_file
+from orchestrator.gateway.tenancy import Tenants, hash_key, read_admin_key_file, read_key_file
 
 helm = pytest.importorskip("helm_python")
 
@@ -149,6 +149,25 @@ def test_tenant_keys_go_to_a_secret_never_the_configmap(tmp_path: Path) -> None:
     (tmp_path / "keys.yaml").write_text(secret)  # what the gateway reads there
     tenants = Tenants(topology, read_key_file(tmp_path / "keys.yaml"))
     assert tenants.authenticate("Bearer a-new-key").name == "acme"
+
+
+def test_admin_keys_go_to_the_secret_and_prometheus_presents_one(tmp_path: Path) -> None:
+    values = yaml.safe_load((CHART / "examples/llama3-8b-pd-h100.yaml").read_text())
+    by_kind = {doc["kind"]: doc for doc in render(values)}
+    digests = yaml.safe_load(by_kind["Secret"]["stringData"]["admin-keys.yaml"])
+    assert digests == values["adminKeys"]
+    assert digests[0] not in json.dumps(by_kind["ConfigMap"]) + json.dumps(by_kind["RayService"])
+    topology = parse_topology(yaml.safe_load(by_kind["ConfigMap"]["data"]["topology.yaml"]))
+    (tmp_path / "admin.yaml").write_text(by_kind["Secret"]["stringData"]["admin-keys.yaml"])
+    tenants = Tenants(topology, extra_admin_keys=read_admin_key_file(tmp_path / "admin.yaml"))
+    tenants.authenticate_admin("Bearer example-admin-key")  # the example's key, in clear
+    assert topology.auth.admin_key_file == "/etc/tokenfab-secrets/admin-keys.yaml"
+    (gateway, _agent) = by_kind["ServiceMonitor"]["spec"]["endpoints"]
+    assert gateway["authorization"] == {"type": "Bearer", "credentials": {
+        "name": "tokenfab-admin", "key": "admin-key"}}
+    # with auth on, a ServiceMonitor that could not authenticate is refused at render time
+    with pytest.raises(helm.HelmError, match="adminKeySecret"):
+        render(values | {"serviceMonitor": {"enabled": True}})
 
 
 GROUP = {"replicas": 1, "minReplicas": 1, "maxReplicas": 1, "gpusPerPod": 1, "cpu": "8",

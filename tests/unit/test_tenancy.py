@@ -79,6 +79,37 @@ def test_cache_salts_cannot_be_computed_from_public_names() -> None:
         Tenants(doc).cache_salt(acme, None)
 
 
+def test_admin_routes_take_an_admin_key_and_only_that() -> None:
+    admin_key = hash_key("root-key")
+    tenants = Tenants(topology(auth={"enabled": True, "admin_keys": [admin_key]},
+                               tenants=tenants_doc()))
+    tenants.authenticate_admin("Bearer root-key")
+    for header, status, message in [(None, 401, "missing admin key"),
+                                    ("Basic root-key", 401, "missing admin key"),
+                                    ("Bearer nope", 401, "invalid admin key"),
+                                    ("Bearer acme-old", 403, "needs an admin key")]:
+        with pytest.raises(GatewayError) as info:
+            tenants.authenticate_admin(header)
+        assert (info.value.status, message in info.value.message) == (status, True), header
+    with pytest.raises(GatewayError):  # and an admin key is no tenant's
+        tenants.authenticate("Bearer root-key")
+    Tenants(topology()).authenticate_admin(None)  # auth off: one tenant, nothing to hide
+    unset = Tenants(topology(auth={"enabled": True}, tenants=tenants_doc()))
+    with pytest.raises(GatewayError, match="none is configured: auth.admin_keys"):
+        unset.authenticate_admin("Bearer acme-old")
+
+
+def test_admin_key_file_and_keys_apart_from_tenants(tmp_path) -> None:
+    path = tmp_path / "admin.yaml"
+    path.write_text(f"- {hash_key('file-admin')}\n")
+    tenants = Tenants.from_topology(topology(auth={"enabled": True, "admin_key_file": str(path)},
+                                             tenants=tenants_doc()), KEY)
+    tenants.authenticate_admin("Bearer file-admin")
+    with pytest.raises(TopologyError, match="auth.admin_keys"):
+        topology(auth={"enabled": True, "admin_keys": [hash_key("acme-old")]},
+                 tenants=tenants_doc())
+
+
 def test_model_permission_is_403() -> None:
     doc = tenants_doc()
     doc[0]["models"] = []

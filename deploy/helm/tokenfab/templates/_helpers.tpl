@@ -48,9 +48,14 @@ have.
 {{- $gateway := $t.gateway | default dict -}}
 {{- $_ := set $gateway "host" "0.0.0.0" -}}
 {{- $_ := set $t "gateway" $gateway -}}
-{{- if .Values.tenantKeys -}}
 {{- $auth := $t.auth | default dict -}}
+{{- if .Values.tenantKeys -}}
 {{- $_ := set $auth "key_file" "/etc/tokenfab-secrets/tenant-keys.yaml" -}}
+{{- end -}}
+{{- if .Values.adminKeys -}}
+{{- $_ := set $auth "admin_key_file" "/etc/tokenfab-secrets/admin-keys.yaml" -}}
+{{- end -}}
+{{- if $auth -}}
 {{- $_ := set $t "auth" $auth -}}
 {{- end -}}
 {{- $head := printf "%s-head-svc" (include "tokenfab.fullname" .) -}}
