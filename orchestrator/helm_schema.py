@@ -73,6 +73,14 @@ def values_schema() -> dict[str, Any]:
                           "answer only these keys.",
                           "items": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}},
             "hfTokenSecret": {"type": "string"},
+            "networkPolicy": {"type": "object", "additionalProperties": False,
+                              "description": "Ingress rules for the release's pods: the gateway "
+                              "port open, the dashboard only to the KubeRay operator.",
+                              "properties": {"enabled": {"type": "boolean"},
+                                             **{name: {"type": "array",
+                                                       "items": {"type": "object"}}
+                                                for name in ("gatewayFrom", "operatorFrom",
+                                                             "dashboardFrom", "metricsFrom")}}},
             "serviceMonitor": {"type": "object", "additionalProperties": False,
                                "properties": {"enabled": {"type": "boolean"},
                                               "interval": {"type": "string"},

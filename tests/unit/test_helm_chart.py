@@ -170,6 +170,39 @@ def test_admin_keys_go_to_the_secret_and_prometheus_presents_one(tmp_path: Path)
         render(values | {"serviceMonitor": {"enabled": True}})
 
 
+def test_network_policy_opens_only_the_gateway_beyond_the_release() -> None:
+    values = yaml.safe_load((CHART / "examples/llama3-8b-pd-h100.yaml").read_text())
+    docs = render(values)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    release = {"matchLabels": {"app.kubernetes.io/instance": "demo"}}
+    service = next(d for d in docs if d["kind"] == "RayService")["spec"]["rayClusterConfig"]
+    pods = [service["headGroupSpec"]] + service["workerGroupSpecs"]
+    for pod in pods:  # every pod of the release is isolated by a policy
+        labels = pod["template"]["metadata"]["labels"]
+        assert any(p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+                   and p["spec"]["policyTypes"] == ["Ingress"] for p in policies), labels
+    gateway_port = parse_topology(yaml.safe_load(next(
+        d for d in docs if d["kind"] == "ConfigMap")["data"]["topology.yaml"])).gateway.port
+    operator = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["operatorFrom"]
+    for policy in policies:
+        for rule in policy["spec"]["ingress"]:
+            ports = sorted(p["port"] for p in rule.get("ports", []))
+            peers = rule.get("from")
+            if peers == [{"podSelector": release}]:
+                continue  # the release's own pods
+            assert ports, f"{policy['metadata']['name']} opens every port beyond the release"
+            if peers is None:  # anyone
+                assert ports == [gateway_port], policy["metadata"]["name"]
+            elif 8265 in ports:  # the dashboard and job API: only the KubeRay operator
+                assert ports == [8265] and peers == operator
+            else:
+                assert ports == [8080]  # metrics, only to peers the values name
+    assert not [d for d in render(values | {"networkPolicy": {"enabled": False}})
+                if d["kind"] == "NetworkPolicy"]
+    with pytest.raises(helm.HelmError, match="metricsFrom"):  # Prometheus could not scrape
+        render(values | {"networkPolicy": {"metricsFrom": []}})
+
+
 GROUP = {"replicas": 1, "minReplicas": 1, "maxReplicas": 1, "gpusPerPod": 1, "cpu": "8",
          "memory": "32Gi"}
 POOL = {"name": "main", "role": "unified", "resources": {"cpus": 8, "gpus": 1}}
