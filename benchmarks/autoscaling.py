@@ -236,7 +236,7 @@ def main() -> None:
                 print(json.dumps(records[-1]))
                 remove(t)
     finally:
-        cluster.stop_ray()
+        cluster.stop_ray(topology("static_min").cluster.dashboard_url)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"records": records}, indent=2))
     (RESULTS / f"{args.name}.md").write_text(markdown(records, args))

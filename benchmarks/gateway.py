@@ -146,7 +146,7 @@ def tokenfab(count: int, seconds: float) -> tuple[list[float], float, int, list[
         rps, failed = asyncio.run(_max_rps(f"{root}/v1/completions", headers, seconds))
         remove(topology)
     finally:
-        cluster.stop_ray()
+        cluster.stop_ray(topology.cluster.dashboard_url)
     return fronts, rps, failed, replica
 
 

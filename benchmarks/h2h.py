@@ -374,7 +374,7 @@ class Bench:
                 self.run_front(Front("tokenfab", policy, deployed(spec)))
                 remove(spec)
         finally:
-            cluster.stop_ray()
+            cluster.stop_ray(specs[0].cluster.dashboard_url)
 
 
 def record(run: dict[str, Any], mode: str) -> dict[str, Any]:

@@ -219,7 +219,7 @@ def main() -> None:
                 transfer = transfers(root)
             remove(topology)
     finally:
-        cluster.stop_ray()
+        cluster.stop_ray(topologies["pd"].cluster.dashboard_url)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pd.json").write_text(json.dumps({"records": records, "transfer": transfer}, indent=2))
     (RESULTS / "pd.md").write_text(markdown(records, transfer, args.seconds))

@@ -279,7 +279,7 @@ def main() -> None:
                 print(json.dumps(result["records"][-1]))
             remove(spec)
     finally:
-        cluster.stop_ray()
+        cluster.stop_ray(next(iter(specs.values())).cluster.dashboard_url)
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -232,7 +232,8 @@ def scale(pool: str, replicas: int, app: str | None, dashboard: str, timeout: fl
 @main.command()
 @click.option("--app", default=None, help="Application name (default: every tokenfab application).")
 @click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
-@click.option("--stop-ray", is_flag=True, help="Also stop Ray on this machine.")
+@click.option("--stop-ray", is_flag=True,
+              help="Also stop the Ray head that tokenfab started for this dashboard.")
 def down(app: str | None, dashboard: str, stop_ray: bool) -> None:
     """Remove deployments; optionally stop the local Ray."""
     cluster_spec = DEFAULT_CLUSTER.model_copy(update={"dashboard_url": dashboard})
@@ -254,7 +255,7 @@ def _down(app: str | None, cluster_spec: ClusterSpec, stop_ray: bool) -> None:
                 deploy.wait_until_gone(client, name, timeout_s=180)
                 click.echo(f"removed application {name}")
     if stop_ray:
-        cluster.stop_ray()
+        cluster.stop_ray(cluster_spec.dashboard_url)
         click.echo("stopped Ray")
 
 

@@ -1,7 +1,14 @@
-"""The local Ray head: find it, start it pinned to the topology's node address, stop it."""
+"""The local Ray head: find it, start it pinned to the topology's node address, stop it.
+
+A head tokenfab starts runs in a session of its own (`ray start` is its leader); every Ray
+daemon, worker and engine process under it keeps that session id, even once orphaned. The
+session is recorded per dashboard (`STATE_DIR`), and stopping kills only this user's processes
+of that session: never another user's Ray, nor a Ray that tokenfab did not start.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +21,9 @@ import httpx
 
 from orchestrator.config import ClusterSpec
 from tokenfab.errors import ClusterError
+
+STATE_DIR = Path("~/.cache/tokenfab/ray-heads")  # one JSON file per head this user started
+STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL what is left after this
 
 _ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
 # Ray replaces a loopback --node-ip-address by the machine's other interface unless told it runs
@@ -69,11 +79,14 @@ def start_head(cluster: ClusterSpec, timeout_s: float = 120.0) -> None:
     if cluster.metrics_export_port is not None:
         command.append(f"--metrics-export-port={cluster.metrics_export_port}")
     # A session of its own: the terminal's Ctrl-C must reach `tokenfab up`, which then removes the
-    # deployment in order, not the Ray daemons underneath it.
-    result = subprocess.run(command, env=os.environ | ray_env(cluster), capture_output=True,
-                            text=True, start_new_session=True)
-    if result.returncode != 0:
-        raise ClusterError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
+    # deployment in order, not the Ray daemons underneath it; and the session id is what proves
+    # later which processes are this head's.
+    starter = subprocess.Popen(command, env=os.environ | ray_env(cluster), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = starter.communicate()
+    if starter.returncode != 0:
+        raise ClusterError(f"`ray start --head` failed:\n{out}\n{err}")
+    _record_head(cluster.dashboard_url, starter.pid)  # its daemons keep the session id
     deadline = time.monotonic() + timeout_s
     while not dashboard_up(cluster.dashboard_url):
         if time.monotonic() > deadline:
@@ -81,26 +94,74 @@ def start_head(cluster: ClusterSpec, timeout_s: float = 120.0) -> None:
         time.sleep(1.0)
 
 
-def stop_ray() -> None:
-    """Stop every Ray process on this machine, then engine processes they orphaned."""
-    subprocess.run([ray_executable(), "stop", "--force"], env=os.environ | _ENV,
-                   capture_output=True, check=False)
-    for pid in orphaned_engine_processes():
+def _state_file(dashboard_url: str) -> Path:
+    url = urlparse(dashboard_url)
+    return STATE_DIR.expanduser() / f"{url.hostname}-{url.port or 8265}.json"
+
+
+def _record_head(dashboard_url: str, session: int) -> None:
+    path = _state_file(dashboard_url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"session": session, "uid": os.getuid(),
+                                "dashboard_url": dashboard_url, "started_at": time.time()}))
+
+
+def stop_ray(dashboard_url: str) -> None:
+    """Stop the Ray head tokenfab started for `dashboard_url`: SIGTERM every process of this user
+    in its session (daemons, workers, engines, orphaned ones too), SIGKILL what is left after
+    STOP_GRACE_S. ClusterError if tokenfab recorded no such head."""
+    path = _state_file(dashboard_url)
+    try:
+        session = json.loads(path.read_text())["session"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ClusterError(f"no Ray head started by tokenfab is recorded for {dashboard_url} "
+                           f"({path}); stop a Ray you started yourself with `ray stop`") from exc
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        for pid in session_processes(session):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while session_processes(session) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    path.unlink(missing_ok=True)
+
+
+def _stat(pid_dir: Path) -> tuple[str, list[str]] | None:
+    """A process's name and the fields after it in /proc/PID/stat (None if it is gone)."""
+    try:
+        fields = (pid_dir / "stat").read_text()
+    except OSError:
+        return None
+    return fields[fields.index("(") + 1:fields.rindex(")")], fields[fields.rindex(")") + 2:].split()
+
+
+def session_processes(session: int) -> list[int]:
+    """This user's live processes in `session` (stat field 6; zombies are already dead)."""
+    pids = []
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        stat = _stat(pid_dir)
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            own = pid_dir.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if stat is not None and own and int(stat[1][3]) == session and stat[1][0] != "Z" \
+                and int(pid_dir.name) != os.getpid():
+            pids.append(int(pid_dir.name))
+    return pids
 
 
 def orphaned_engine_processes() -> list[int]:
-    """vLLM processes (titled `VLLM::...`) whose parent died: a killed replica leaves them."""
+    """This user's vLLM processes (titled `VLLM::...`) whose parent died: a killed replica
+    leaves them."""
     orphans = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        stat = _stat(pid_dir)
         try:
-            fields = stat.read_text()
+            own = pid_dir.stat().st_uid == os.getuid()
         except OSError:
             continue
-        name, rest = fields[fields.index("(") + 1:fields.rindex(")")], fields[fields.rindex(")") + 2:]
-        if name.startswith("VLLM::") and rest.split()[1] == "1":
-            orphans.append(int(stat.parent.name))
+        if stat is not None and own and stat[0].startswith("VLLM::") and stat[1][1] == "1":
+            orphans.append(int(pid_dir.name))
     return orphans

@@ -1,0 +1,41 @@
+"""Stopping a local Ray head: only the session tokenfab started, and only this user's
+processes in it (orphans included); a head tokenfab did not start is refused, not killed."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from orchestrator import cluster
+from tokenfab.errors import ClusterError
+
+DASHBOARD = "http://127.0.0.1:9"
+
+
+def test_stop_ray_stops_only_the_session_it_started(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(cluster, "STATE_DIR", tmp_path)
+    # a session like a head's: its leader and two children that outlive it (orphans, as Ray's
+    # daemons and engines become once `ray start` exits)
+    ours = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)  # someone else's Ray
+    try:
+        deadline = time.monotonic() + 10
+        while len(cluster.session_processes(ours.pid)) < 3:
+            assert time.monotonic() < deadline, cluster.session_processes(ours.pid)
+            time.sleep(0.05)
+        with pytest.raises(ClusterError, match="no Ray head started by tokenfab"):
+            cluster.stop_ray(DASHBOARD)  # nothing recorded for this dashboard: nothing killed
+        assert len(cluster.session_processes(ours.pid)) == 3
+        cluster._record_head(DASHBOARD, ours.pid)
+        cluster.stop_ray(DASHBOARD)
+        assert cluster.session_processes(ours.pid) == []
+        assert ours.wait(5) is not None
+        assert other.poll() is None  # another session is left alone
+        with pytest.raises(ClusterError):  # the record went with the head
+            cluster.stop_ray(DASHBOARD)
+    finally:
+        for process in (ours, other):
+            process.kill()
+            process.wait()
