@@ -193,6 +193,7 @@ class VllmEngine:
         self._serving: dict[Endpoint, Any] = {}
         self._requests: dict[Endpoint, Any] = {}
         self._error_type: type = type(None)
+        self._client_error: tuple[type[Exception], ...] = ()  # vLLM's, once started
         self.block_size = 0  # the KV cache block size, known once started
         self.kv_blocks = 0  # the KV cache's capacity in blocks, known once started
 
@@ -203,6 +204,7 @@ class VllmEngine:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Chat
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.exceptions import VLLMClientError
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
@@ -227,6 +229,7 @@ class VllmEngine:
         self._serving = {"completions": state.openai_serving_completion, "chat": state.openai_serving_chat}
         self._requests = {"completions": CompletionRequest, "chat": Chat}
         self._error_type = ErrorResponse
+        self._client_error = (VLLMClientError,)
 
     async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
         unknown = sorted(body.keys() - _field_names(self._requests[endpoint]))
@@ -238,6 +241,8 @@ class VllmEngine:
                 request = self._requests[endpoint].model_validate(body)
         except ValidationError as exc:
             message, param = _validation_message(exc)
+        except self._client_error as exc:  # vLLM's own validators raise these past pydantic
+            message, param = str(exc), getattr(exc, "parameter", None)
         if message:
             yield ReplyHead(400, streaming=False)
             yield msgspec.json.encode(openai_error(400, message, param))

@@ -14,8 +14,19 @@ LEFTOVER_PATTERN = "raylet|gcs_server|VLLM::|EngineCore"
 
 
 def leftover_processes() -> list[str]:
+    """Ray and engine processes still alive (a zombie is dead: its parent, init for daemons
+    whose `ray start` exited, has not reaped it yet)."""
     result = subprocess.run(["pgrep", "-af", LEFTOVER_PATTERN], capture_output=True, text=True)
-    return [line for line in result.stdout.splitlines() if "pgrep" not in line]
+    return [line for line in result.stdout.splitlines()
+            if "pgrep" not in line and not _zombie(line.split()[0])]
+
+
+def _zombie(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True  # gone meanwhile
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

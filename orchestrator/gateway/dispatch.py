@@ -173,7 +173,11 @@ class PoolDispatcher:
                 except LinkLost:
                     skip.add(replica)
                     continue
-                head = await _head(stream, deadline)
+                try:
+                    head = await _head(stream, deadline)
+                except BaseException:  # failed, timed out or cancelled: no leg to finish later
+                    self.service.finished(key.request_id)
+                    raise
                 if isinstance(head, Head):
                     self.service.dispatched(key, replica)
                     return stream, head

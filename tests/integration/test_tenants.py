@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.config import Topology
 from orchestrator.status import ADMIN_KEY_ENV, collect, gateway_url
@@ -347,6 +350,8 @@ BAD = [
      "the prompt must be", "prompt[1]"),
     ("salt-not-a-string", b'{"model": "tiny", "prompt": "x", "cache_salt": 7}', 400,
      "cache_salt", "cache_salt"),
+    ("empty-prompt", b'{"model": "tiny", "prompt": ""}', 400,  # vLLM raises past pydantic
+     "prompt or prompt_embeds must be provided", "prompt"),
 ]
 
 
@@ -374,3 +379,76 @@ def test_a_prompt_the_gateway_cannot_count_is_refused_naming_the_field(root: str
                          path="/v1/chat/completions")
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
+
+
+# -- fuzz: whatever a client sends, the answer is never a 5xx --------------------------------------
+
+_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                  st.floats(allow_nan=False), st.text(max_size=12))
+_JSON = st.recursive(_LEAF, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+_SMALL = st.integers(-2, 4)
+_COMMON = {  # plausible values, or anything at all
+    "max_tokens": _SMALL, "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5),
+    "top_k": st.integers(-2, 50), "n": st.integers(-1, 3), "seed": st.integers(-5, 2**64),
+    "stream": st.booleans(), "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans()}),
+    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=5)),
+    "logprobs": st.integers(-1, 30), "presence_penalty": st.floats(-3, 3),
+    "frequency_penalty": st.floats(-3, 3), "logit_bias": st.dictionaries(
+        st.integers(-5, 70000).map(str), st.floats(-200, 200), max_size=3),
+    "ignore_eos": st.booleans(), "min_tokens": _SMALL, "user": st.text(max_size=10),
+    "cache_salt": st.text(max_size=10), "response_format": st.sampled_from(
+        [{"type": "text"}, {"type": "json_object"}, {"type": "nonsense"}]),
+}
+_PROMPT = st.one_of(st.text(max_size=60), st.lists(st.text(max_size=12), max_size=3),
+                    st.lists(st.integers(-5, 70000), max_size=12),
+                    st.lists(st.lists(st.integers(-5, 70000), max_size=6), max_size=3))
+_CONTENT = st.one_of(st.text(max_size=40), st.none(), st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image_url", "bogus"])}), _JSON), max_size=3))
+_MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard"])},
+    optional={"content": _CONTENT, "name": st.text(max_size=5)}), max_size=4)
+
+
+def _body(specific: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+    fields = {name: st.one_of(value, _JSON) for name, value in (_COMMON | specific).items()}
+    return st.fixed_dictionaries({"model": st.sampled_from([MODEL, MODEL, MODEL, "nope", 7])},
+                                 optional=fields | {"extra_field": _JSON})
+
+
+def _never_5xx(root: str, path: str, body: bytes) -> None:
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        response = http.post(f"{root}{path}", content=body, headers={
+            "authorization": "Bearer fuzz-key", "content-type": "application/json"})
+    assert response.status_code < 500, (body[:300], response.status_code, response.text[:300])
+    for line in response.text.splitlines():  # a stream's errors come inside its 200
+        if line.startswith("data: {") and '"error"' in line:
+            assert '"code": 5' not in line and '"code":5' not in line, (body[:300], line)
+
+
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
+                suppress_health_check=list(HealthCheck))
+
+
+@FUZZ
+@given(body=_body({"prompt": _PROMPT, "echo": st.booleans(), "best_of": st.integers(-1, 3),
+                   "suffix": st.text(max_size=5)}))
+def test_fuzzed_completions_never_get_a_5xx(root: str, body: dict[str, Any]) -> None:
+    _never_5xx(root, "/v1/completions", json.dumps(body).encode())
+
+
+@FUZZ
+@given(body=_body({"messages": _MESSAGES, "max_completion_tokens": _SMALL,
+                   "tools": st.lists(_JSON, max_size=2), "tool_choice": _JSON}))
+def test_fuzzed_chats_never_get_a_5xx(root: str, body: dict[str, Any]) -> None:
+    _never_5xx(root, "/v1/chat/completions", json.dumps(body).encode())
+
+
+@FUZZ
+@given(raw=st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode),
+                     _JSON.map(lambda v: json.dumps(v).encode()),
+                     st.integers(1, 6000).map(lambda depth: b'{"a": ' + b"[" * depth)))
+def test_fuzzed_raw_bodies_never_get_a_5xx(root: str, raw: bytes) -> None:
+    _never_5xx(root, "/v1/completions", raw)

@@ -126,6 +126,25 @@ def test_unified_request_is_placed_relayed_and_its_usage_returned() -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize(("script", "status"), [([Step("fail")], 503), ([Step("hang")], 504)],
+                         ids=["failed", "timed-out"])
+def test_a_leg_that_fails_before_its_head_leaves_no_load_behind(script: list[Step],
+                                                                status: int) -> None:
+    """Found by the gateway's fuzz test: each FAILED reply (an engine error on a bad body) kept
+    its count on the replica, so after `max_ongoing` of them no request could be placed there."""
+    async def scenario() -> None:
+        replica = await ScriptedReplica("r1", *[script] * 3, DECODED).start()
+        main = pool("main", replica, max_ongoing=2)
+        await connected(main)
+        for _ in range(3):  # more failures than the replica's slots
+            with pytest.raises(GatewayError) as info:
+                await serve(UnifiedFlow(main), call(BODY, timeout_s=0.2))
+            assert info.value.status == status
+            assert main.service.in_flight("r1") == 0
+        assert await serve(UnifiedFlow(main), call(BODY)) == Usage(500, 2, 0)  # still placed
+    run(scenario())
+
+
 def test_long_prompt_is_prefilled_then_decoded_with_the_params() -> None:
     async def scenario() -> None:
         flow, prefill, decode = await pd([whole(200, {"kv_transfer_params": PARAMS})])
