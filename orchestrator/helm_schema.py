@@ -72,6 +72,12 @@ def values_schema() -> dict[str, Any]:
                           "mounted as auth.admin_key_file. With auth on, /metrics and /tokenfab/* "
                           "answer only these keys.",
                           "items": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}},
+            "saltKeySecret": {"type": "object", "additionalProperties": False,
+                              "description": "An existing Secret holding the key (32 bytes or "
+                              "more) that derives tenants' cache salts; mounted as "
+                              "auth.salt_key_file. Empty name: a random key kept in Ray's GCS.",
+                              "properties": {"name": {"type": "string"},
+                                             "key": {"type": "string"}}},
             "hfTokenSecret": {"type": "string"},
             "networkPolicy": {"type": "object", "additionalProperties": False,
                               "description": "Ingress rules for the release's pods: the gateway "

@@ -64,6 +64,11 @@ class AuthSpec(_Strict):
     admin_key_file: str | None = Field(
         None, description="YAML list of admin key digests, read when the gateway starts (the "
         "Helm chart mounts its admin digests here).")
+    salt_key_file: str | None = Field(
+        None, description="File holding the secret (32 bytes or more) under which tenants' "
+        "cache salts are derived, read when the gateway starts (the chart mounts "
+        "saltKeySecret here). Null: a random key made once per application and kept in Ray's "
+        "GCS, the same for every gateway until the cluster goes.")
 
 
 class AdmissionSpec(_Strict):

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from channel.secret import channel_secret, cluster_secret
+from channel.secret import channel_secret
 from orchestrator.gateway.admin import Admin
 from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
@@ -25,7 +25,7 @@ from orchestrator.gateway.flows import DisaggregatedFlow, Flow, UnifiedFlow
 from orchestrator.gateway.http import HttpServer
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.routes import Routes
-from orchestrator.gateway.tenancy import Tenants, salt_key_name
+from orchestrator.gateway.tenancy import Tenants, salt_key
 from kvtransfer.metrics import TransferMetrics
 from orchestrator.config import PoolSpec, Topology, routing_policy
 from pools.tokenizer import PromptTokenCounter
@@ -71,8 +71,7 @@ class Gateway:
         self._topology = topology_ = Topology.model_validate(topology)
         replica_id = serve.get_replica_context().replica_id.unique_id
         registry = CollectorRegistry()
-        salt_key = await asyncio.to_thread(cluster_secret, salt_key_name(topology_.name))
-        tenants = Tenants.from_topology(topology_, salt_key)
+        tenants = Tenants.from_topology(topology_, await asyncio.to_thread(salt_key, topology_))
         metrics = GatewayMetrics(registry, tenants.names)
         admission = Admission(topology_, metrics, tenants)
         secret = await asyncio.to_thread(channel_secret, topology_.name)

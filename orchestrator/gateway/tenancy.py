@@ -8,9 +8,10 @@ Cache isolation: vLLM hashes `cache_salt` into a prompt's first KV block, so req
 different salts never share cached blocks. Every declared tenant's requests carry the salt of its
 cache group (its own name unless it names a shared `cache_group`), joined to any salt the client
 sent, so no client can choose another tenant's salt. The group's salt is an HMAC of the group's
-name under the application's salt key (a secret of the cluster, `SALT_KEY_NAME`): tenant and
-application names are not secret, so a salt derived from them alone could be computed by anyone
-and sent to probe another tenant's cache.
+name under the application's salt key: tenant and application names are not secret, so a salt
+derived from them alone could be computed by anyone and sent to probe another tenant's cache.
+The key comes from `auth.salt_key_file` or, by default, is made once per application and kept
+in Ray's GCS (`salt_key`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from channel.secret import cluster_secret
 from orchestrator.gateway.errors import GatewayError
 from orchestrator.config import Topology
 from orchestrator.tenant_config import TenantSpec
@@ -28,9 +30,20 @@ from orchestrator.tenant_config import TenantSpec
 DEFAULT_TENANT = "default"
 
 
-def salt_key_name(app: str) -> str:
-    """Where the application's cache-salt key lives in the GCS (channel.secret.cluster_secret)."""
-    return f"cache-salt-key/{app}"
+MIN_SALT_KEY_BYTES = 32
+
+
+def salt_key(topology: Topology) -> bytes:
+    """The key under which cache salts are derived: `auth.salt_key_file`'s bytes, or else the
+    application's random key in the GCS. Blocking: call it off the event loop."""
+    path = topology.auth.salt_key_file
+    if path is None:
+        return cluster_secret(f"cache-salt-key/{topology.name}")
+    key = Path(path).expanduser().read_bytes().strip()
+    if len(key) < MIN_SALT_KEY_BYTES:
+        raise ValueError(f"auth.salt_key_file {path}: {len(key)} bytes, at least "
+                         f"{MIN_SALT_KEY_BYTES} needed")
+    return key
 
 
 def hash_key(key: str) -> str:

@@ -170,6 +170,20 @@ def test_admin_keys_go_to_the_secret_and_prometheus_presents_one(tmp_path: Path)
         render(values | {"serviceMonitor": {"enabled": True}})
 
 
+def test_salt_key_secret_is_mounted_as_the_salt_key_file() -> None:
+    values = yaml.safe_load((CHART / "examples/llama3-8b-pd-h100.yaml").read_text())
+    by_kind = {d["kind"]: d for d in render(values | {"saltKeySecret": {"name": "tf-salt"}})}
+    topology = parse_topology(yaml.safe_load(by_kind["ConfigMap"]["data"]["topology.yaml"]))
+    assert topology.auth.salt_key_file == "/etc/tokenfab-salt/salt-key"
+    head = by_kind["RayService"]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert {"name": "salt-key", "secret": {"secretName": "tf-salt"}} in head["volumes"]
+    mounts = {m["mountPath"] for c in head["containers"] for m in c["volumeMounts"]}
+    assert "/etc/tokenfab-salt" in mounts
+    plain = {d["kind"]: d for d in render(values)}  # by default: the GCS key, no file
+    assert parse_topology(yaml.safe_load(plain["ConfigMap"]["data"]["topology.yaml"])
+                          ).auth.salt_key_file is None
+
+
 def test_network_policy_opens_only_the_gateway_beyond_the_release() -> None:
     values = yaml.safe_load((CHART / "examples/llama3-8b-pd-h100.yaml").read_text())
     docs = render(values)

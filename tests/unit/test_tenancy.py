@@ -16,7 +16,7 @@ from orchestrator.gateway.admission import Admission, choices, cost_tokens
 from orchestrator.gateway.metrics import GatewayMetrics
 from tokenfab.errors import TopologyError
 from orchestrator.gateway.limits import TenantLimiter, TokenBucket
-from orchestrator.gateway.tenancy import Tenants, hash_key, read_key_file
+from orchestrator.gateway.tenancy import Tenants, hash_key, read_key_file, salt_key
 from channel.frames import Usage
 from pools.usage import StreamMeter, usage_of, with_stream_usage
 
@@ -108,6 +108,17 @@ def test_admin_key_file_and_keys_apart_from_tenants(tmp_path) -> None:
     with pytest.raises(TopologyError, match="auth.admin_keys"):
         topology(auth={"enabled": True, "admin_keys": [hash_key("acme-old")]},
                  tenants=tenants_doc())
+
+
+def test_salt_key_comes_from_the_file_when_one_is_set(tmp_path) -> None:
+    path = tmp_path / "salt-key"
+    path.write_text("k" * 40 + "\n")
+    assert salt_key(topology(auth={"enabled": True, "salt_key_file": str(path)},
+                             tenants=tenants_doc())) == b"k" * 40
+    path.write_text("short")
+    with pytest.raises(ValueError, match="auth.salt_key_file .* 5 bytes, at least 32"):
+        salt_key(topology(auth={"enabled": True, "salt_key_file": str(path)},
+                          tenants=tenants_doc()))
 
 
 def test_model_permission_is_403() -> None:

@@ -55,6 +55,9 @@ have.
 {{- if .Values.adminKeys -}}
 {{- $_ := set $auth "admin_key_file" "/etc/tokenfab-secrets/admin-keys.yaml" -}}
 {{- end -}}
+{{- if (.Values.saltKeySecret | default dict).name -}}
+{{- $_ := set $auth "salt_key_file" (printf "/etc/tokenfab-salt/%s" (.Values.saltKeySecret.key | default "salt-key")) -}}
+{{- end -}}
 {{- if $auth -}}
 {{- $_ := set $t "auth" $auth -}}
 {{- end -}}
