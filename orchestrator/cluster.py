@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 import httpx
@@ -102,8 +104,7 @@ def _state_file(dashboard_url: str) -> Path:
 def _record_head(dashboard_url: str, session: int) -> None:
     path = _state_file(dashboard_url)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"session": session, "uid": os.getuid(),
-                                "dashboard_url": dashboard_url, "started_at": time.time()}))
+    path.write_text(json.dumps({"session": session}))
 
 
 def stop_ray(dashboard_url: str) -> None:
@@ -128,40 +129,36 @@ def stop_ray(dashboard_url: str) -> None:
     path.unlink(missing_ok=True)
 
 
-def _stat(pid_dir: Path) -> tuple[str, list[str]] | None:
-    """A process's name and the fields after it in /proc/PID/stat (None if it is gone)."""
-    try:
-        fields = (pid_dir / "stat").read_text()
-    except OSError:
-        return None
-    return fields[fields.index("(") + 1:fields.rindex(")")], fields[fields.rindex(")") + 2:].split()
+class _Process(NamedTuple):
+    pid: int
+    name: str
+    state: str
+    ppid: int
+    session: int
+
+
+def _own_processes() -> Iterator[_Process]:
+    """This user's processes, from /proc/PID/stat (one that ends meanwhile is skipped)."""
+    uid = os.getuid()
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if pid_dir.stat().st_uid != uid:
+                continue
+            stat = (pid_dir / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        state, ppid, _, session = rest.split()[:4]
+        yield _Process(int(pid_dir.name), name, state, int(ppid), int(session))
 
 
 def session_processes(session: int) -> list[int]:
-    """This user's live processes in `session` (stat field 6; zombies are already dead)."""
-    pids = []
-    for pid_dir in Path("/proc").glob("[0-9]*"):
-        stat = _stat(pid_dir)
-        try:
-            own = pid_dir.stat().st_uid == os.getuid()
-        except OSError:
-            continue
-        if stat is not None and own and int(stat[1][3]) == session and stat[1][0] != "Z" \
-                and int(pid_dir.name) != os.getpid():
-            pids.append(int(pid_dir.name))
-    return pids
+    """This user's live processes in `session` (zombies are already dead), this one aside."""
+    return [p.pid for p in _own_processes()
+            if p.session == session and p.state != "Z" and p.pid != os.getpid()]
 
 
 def orphaned_engine_processes() -> list[int]:
     """This user's vLLM processes (titled `VLLM::...`) whose parent died: a killed replica
     leaves them."""
-    orphans = []
-    for pid_dir in Path("/proc").glob("[0-9]*"):
-        stat = _stat(pid_dir)
-        try:
-            own = pid_dir.stat().st_uid == os.getuid()
-        except OSError:
-            continue
-        if stat is not None and own and stat[0].startswith("VLLM::") and stat[1][1] == "1":
-            orphans.append(int(pid_dir.name))
-    return orphans
+    return [p.pid for p in _own_processes() if p.name.startswith("VLLM::") and p.ppid == 1]

@@ -68,6 +68,12 @@ def _single(prompts: list[list[int]] | None) -> list[int] | None:
     return prompts[0] if prompts is not None and len(prompts) == 1 else None
 
 
+def _client_salt(body: dict[str, Any]) -> str | None:
+    """The (shaped) body's cache salt, which routing hashes blocks with."""
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) else None
+
+
 class Routes:
     """Answers every request of one ingress replica's HTTP server."""
 
@@ -158,8 +164,7 @@ class Routes:
         """Each prompt's token ids (if anything reads them) and the flow's route keys. A body
         of `size` bytes up to INLINE_TOKENIZE_BYTES is counted on the loop: the hop to a thread
         and back costs more than its tokens (see INLINE_TOKENIZE_BYTES)."""
-        salt = body.get("cache_salt")
-        salt = salt if isinstance(salt, str) else None
+        salt = _client_salt(body)
         if not self._needs_tokens:
             return None, self._flow.keys(request_id, None, salt)
         if size <= INLINE_TOKENIZE_BYTES:
@@ -193,9 +198,8 @@ class Routes:
         cache, never another tenant's."""
         spec = self._admission.authenticate(request.headers.get("authorization"))
         body = self._admission.shape(spec, endpoint, self.read_body(request))
-        salt = body.get("cache_salt")
         _, keys = await asyncio.to_thread(self._tokens_and_keys, "explain", endpoint, body,
-                                          salt if isinstance(salt, str) else None)
+                                          _client_salt(body))
         return {pool: dispatcher.service.explain(keys[pool])
                 for pool, dispatcher in self._flow.pools.items()}
 

@@ -28,8 +28,6 @@ from orchestrator.config import Topology
 from orchestrator.tenant_config import TenantSpec
 
 DEFAULT_TENANT = "default"
-
-
 MIN_SALT_KEY_BYTES = 32
 
 
@@ -68,6 +66,13 @@ def read_key_file(path: str | Path) -> dict[str, list[str]]:
             for keys in data.values()):
         raise ValueError(f"{path}: expected a mapping of tenant name to a list of key digests")
     return {str(name): list(keys) for name, keys in data.items()}
+
+
+def _bearer_digest(authorization: str) -> str | None:
+    """The digest of the key an `Authorization: Bearer <key>` header presents; None if it
+    presents none."""
+    scheme, _, key = authorization.partition(" ")
+    return hash_key(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
 
 
 class Tenants:
@@ -115,11 +120,11 @@ class Tenants:
         if not authorization:
             raise GatewayError(401, "missing API key: send Authorization: Bearer <key>",
                                code="invalid_api_key")
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        digest = _bearer_digest(authorization)
+        if digest is None:
             raise GatewayError(401, "malformed Authorization header: expected Bearer <key>",
                                code="invalid_api_key")
-        found = self._tenant_of(hash_key(key.strip()))
+        found = self._tenant_of(digest)
         if found is None:
             raise GatewayError(401, "invalid API key", code="invalid_api_key")
         return found
@@ -129,11 +134,11 @@ class Tenants:
         request. 401 without a key or with an unknown one, 403 with a tenant's key."""
         if not self.auth:
             return
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        digest = _bearer_digest(authorization or "")
+        if digest is None:
             raise GatewayError(401, "missing admin key: send Authorization: Bearer <admin key>",
                                code="invalid_api_key")
-        digest, admin = hash_key(key.strip()), False
+        admin = False
         for stored in self._admin_digests:  # every digest, each in constant time
             admin |= hmac.compare_digest(stored, digest)
         if admin:
