@@ -1,6 +1,7 @@
 """The key a gateway presents to a replica's channel, and the other keys of an application
-(the cache-salt key of gateway.tenancy): random, made once per application, kept in Ray's GCS
-key-value store, which only processes of the Ray cluster can read.
+(the cache-salt key of gateway.tenancy, the CURVE keys of the KV event relays): random, made once
+per application, kept in Ray's GCS key-value store, which only processes of the Ray cluster can
+read.
 
 It never travels in a topology, a Serve config, a log or a label; it survives restarts of
 gateways and replicas (the GCS outlives them) and dies with the cluster.
@@ -8,7 +9,13 @@ gateways and replicas (the GCS outlives them) and dies with the cluster.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
+from dataclasses import dataclass
+
+import zmq
+from zmq.utils import z85
 
 from channel.frames import SECRET_BYTES
 
@@ -34,3 +41,26 @@ def cluster_secret(name: str) -> bytes:
     if not value or len(value) != SECRET_BYTES:
         raise RuntimeError(f"secret {name!r} is missing from the GCS")
     return value
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """ZMQ CURVE keys (Z85) of an application's KV event relays: the relays' server pair, and the
+    one client pair their authenticators admit. Whoever can read the GCS can derive them; no one
+    else can."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def derive(cls, secret: bytes) -> CurveKeys:
+        server = z85.encode(hmac.digest(secret, b"kv-events/server", hashlib.sha256))
+        client = z85.encode(hmac.digest(secret, b"kv-events/client", hashlib.sha256))
+        return cls(zmq.curve_public(server), server, zmq.curve_public(client), client)
+
+
+def event_keys(app: str) -> CurveKeys:
+    """The application's KV event keys. Blocking (a GCS round trip), like `channel_secret`."""
+    return CurveKeys.derive(cluster_secret(f"kv-events/{app}"))

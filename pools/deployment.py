@@ -18,20 +18,20 @@ import msgspec
 import ray
 from ray import serve
 
-from channel.secret import channel_secret
+from channel.secret import channel_secret, event_keys
 from channel.server import ChannelServer, Reply, Request
 from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import Endpoint, EngineSpec, ReplyHead, openai_error
-from pools.kv_events import EventForwarder, KVEventEndpoints, plan_endpoints
+from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
 from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
 from pools.usage import StreamMeter, usage_of, with_stream_usage
 from tokenfab.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
-SOCKET_DIR = Path(os.environ.get("TOKENFAB_SOCKET_DIR", "/tmp/tokenfab/kv"))
+SOCKET_DIR = Path(os.environ.get("TOKENFAB_SOCKET_DIR", f"/tmp/tokenfab-{os.getuid()}/kv"))
 
 
 class ReplicaSettings(msgspec.Struct, frozen=True):
@@ -82,8 +82,9 @@ class PoolReplica:
         self._engine_start_s = 0.0
         self._in_flight = 0
         self._kv_events: KVEventEndpoints | None = None
+        self._event_relay: EventRelay | None = None
         if settings.kv_events:
-            spec = self._with_kv_events(spec)
+            spec = await self._with_kv_events(spec)
         spec = self._with_kv_transfer(spec)
         self._spec = spec
         self._engine = VllmEngine(spec)
@@ -114,17 +115,15 @@ class PoolReplica:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = claim.omp_bind
         return claim
 
-    def _with_kv_events(self, spec: EngineSpec) -> EngineSpec:
-        SOCKET_DIR.mkdir(parents=True, exist_ok=True)
-        self._kv_events = plan_endpoints(self._settings.kv_events_transport,
-                                         SOCKET_DIR / self._replica_id, self._node_ip)
-        if self._kv_events.public != self._kv_events.engine:
-            EventForwarder(self._kv_events).start()
-        return msgspec.structs.replace(
-            spec,
-            kv_events_endpoint=self._kv_events.engine,
-            kv_events_replay_endpoint=self._kv_events.replay,
-        )
+    async def _with_kv_events(self, spec: EngineSpec) -> EngineSpec:
+        engine = engine_endpoints(socket_dir(SOCKET_DIR) / self._replica_id)
+        self._kv_events = engine
+        if self._settings.kv_events_transport == "tcp":
+            keys = await asyncio.to_thread(event_keys, self._settings.app)
+            self._event_relay = EventRelay(engine, self._node_ip, keys).start()
+            self._kv_events = self._event_relay.endpoints
+        return msgspec.structs.replace(spec, kv_events_endpoint=engine.engine,
+                                       kv_events_replay_endpoint=engine.engine_replay)
 
     def _with_kv_transfer(self, spec: EngineSpec) -> EngineSpec:
         config = connector_config(self._settings.role, self._replica_id, self._settings.gpus > 0)
@@ -254,6 +253,8 @@ class PoolReplica:
         except ray.exceptions.RayError:
             pass
         await asyncio.to_thread(self._engine.shutdown)
+        if self._event_relay is not None:
+            await asyncio.to_thread(self._event_relay.close)
         if self._cores:
             self._cores.release()
         if self._in_flight:

@@ -9,6 +9,10 @@ over-report it.
 
 Everything runs on the event loop that owns the map (zmq's asyncio sockets), so the map has one
 writer and needs no lock.
+
+Events carry every tenant's prompt token ids. A tcp endpoint is a replica's relay, which speaks
+ZMQ CURVE and admits one client key: the stream presents `EventCredentials` there. An ipc endpoint
+is node-local, guarded by its directory's permissions, and takes no keys.
 """
 
 from __future__ import annotations
@@ -29,6 +33,21 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+@dataclass(frozen=True)
+class EventCredentials:
+    """CURVE keys (Z85) a subscriber presents to the replicas' event relays."""
+
+    server_key: bytes
+    public_key: bytes
+    secret_key: bytes
+
+    def apply(self, socket: zmq.Socket, endpoint: str) -> None:
+        if endpoint.startswith("tcp://"):
+            socket.curve_serverkey = self.server_key
+            socket.curve_publickey = self.public_key
+            socket.curve_secretkey = self.secret_key
+
+
 @dataclass
 class StreamStats:
     batches: int = 0
@@ -45,10 +64,12 @@ class ReplicaEventStream:
 
     def __init__(self, replica: ReplicaId, endpoint: str, replay_endpoint: str | None,
                  index: KVBlockIndex, context: zmq.asyncio.Context,
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0,
+                 credentials: EventCredentials | None = None) -> None:
         self.replica, self.endpoint, self.replay_endpoint = replica, endpoint, replay_endpoint
         self.stats = StreamStats()
         self._index, self._context, self._replay_timeout_s = index, context, replay_timeout_s
+        self._credentials = credentials
         self._next_seq = 0
         self._socket = self._subscribe()
 
@@ -56,6 +77,8 @@ class ReplicaEventStream:
         socket = self._context.socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.setsockopt(zmq.LINGER, 0)
+        if self._credentials is not None:
+            self._credentials.apply(socket, self.endpoint)
         socket.connect(self.endpoint)
         return socket
 
@@ -150,6 +173,8 @@ class ReplicaEventStream:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         timeout_ms = int(1000 * self._replay_timeout_s)
+        if self._credentials is not None:
+            self._credentials.apply(socket, self.replay_endpoint)
         try:
             socket.connect(self.replay_endpoint)
             await socket.send_multipart((b"", start.to_bytes(8, "big")))

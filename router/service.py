@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from router.event_sync import ReplicaEventStream
+from router.event_sync import EventCredentials, ReplicaEventStream
 from router.hashing import BlockHasher
 from router.index import BYTES_PER_ENTRY, DEFAULT_MAX_ENTRIES, KVBlockIndex, ReplicaId
 from router.load import CacheChurn, DispatchHistory, LoadTracker
@@ -38,8 +38,10 @@ class RoutingService:
                  *, follow_events: bool = True, max_index_entries: int = DEFAULT_MAX_ENTRIES,
                  history_ttl_s: float = 300.0, prior_tokens_per_s: float = 4000.0,
                  in_flight_cost_tokens: float = 128.0,
+                 event_credentials: EventCredentials | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool, self.policy = pool, policy
+        self._event_credentials = event_credentials
         self._hasher_factory, self._metrics = hasher_factory, metrics
         self._follow_events = follow_events and policy.reads_block_map  # else nothing reads them
         self._history = DispatchHistory(history_ttl_s, clock=clock)
@@ -242,7 +244,8 @@ class RoutingService:
         if self._context is None:
             self._context = zmq.asyncio.Context()
         stream = ReplicaEventStream(view.replica, view.kv_events_endpoint,
-                                    view.kv_replay_endpoint, self._index, self._context)
+                                    view.kv_replay_endpoint, self._index, self._context,
+                                    credentials=self._event_credentials)
         self._streams[view.replica] = stream
         task = asyncio.get_running_loop().create_task(
             stream.run(), name=f"kv-events-{self.pool}-{view.replica}")

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from channel.secret import channel_secret
+from channel.secret import channel_secret, event_keys
 from orchestrator.gateway.admin import Admin
 from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
@@ -29,6 +29,7 @@ from orchestrator.gateway.tenancy import Tenants, salt_key
 from kvtransfer.metrics import TransferMetrics
 from orchestrator.config import PoolSpec, Topology, routing_policy
 from pools.tokenizer import PromptTokenCounter
+from router.event_sync import EventCredentials
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
@@ -38,7 +39,8 @@ logger = logging.getLogger("ray.serve").getChild("tokenfab.gateway")
 DRAIN_TIMEOUT_S = 60.0
 
 
-def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics) -> RoutingService:
+def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
+                    credentials: EventCredentials | None = None) -> RoutingService:
     spec = topology.router
     policy = build_policy(routing_policy(topology, pool), spec.weights,
                           max_in_flight=spec.max_in_flight, tolerance=spec.tie_tolerance)
@@ -54,7 +56,13 @@ def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics) 
         follow_events=topology.kv_events.enabled,
         max_index_entries=spec.max_index_entries, history_ttl_s=spec.history_ttl_s,
         prior_tokens_per_s=spec.prefill_tokens_per_s,
-        in_flight_cost_tokens=spec.in_flight_cost_tokens)
+        in_flight_cost_tokens=spec.in_flight_cost_tokens, event_credentials=credentials)
+
+
+def event_credentials(app: str) -> EventCredentials:
+    """What the router presents to the replicas' event relays. Blocking (a GCS round trip)."""
+    keys = event_keys(app)
+    return EventCredentials(keys.server_public, keys.client_public, keys.client_secret)
 
 
 def _waker(handle: DeploymentHandle):
@@ -78,8 +86,10 @@ class Gateway:
         counter = await asyncio.to_thread(PromptTokenCounter, topology_.model.resolved_path)
         self._directory = ReplicaDirectory(topology_.name)
         router_metrics = RouterMetrics(registry)
+        credentials = await asyncio.to_thread(event_credentials, topology_.name) \
+            if topology_.kv_events.transport == "tcp" else None
         self._pools = {pool.name: PoolDispatcher(
-            pool.name, routing_service(topology_, pool, router_metrics),
+            pool.name, routing_service(topology_, pool, router_metrics, credentials),
             pool.max_ongoing_requests, secret, replica_id, _waker(pools[pool.name]),
             self._directory) for pool in topology_.pools}
         if any(p.service.policy.uses_prefixes for p in self._pools.values()):

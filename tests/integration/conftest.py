@@ -41,6 +41,24 @@ class Deployment:
                               timeout=timeout, cwd=ROOT)
 
 
+def event_credentials(topology: Topology):
+    """The keys the application's routers present to the replicas' KV event relays, read from
+    the GCS as any process of the cluster can (and nothing outside it)."""
+    import ray
+
+    from orchestrator.gateway.ingress import event_credentials as credentials
+
+    initialised = ray.is_initialized()
+    if not initialised:
+        ray.init(address=topology.cluster.address, log_to_driver=False, logging_level="ERROR",
+                 _node_ip_address=topology.cluster.address.rsplit(":", 1)[0])
+    try:
+        return credentials(topology.name)
+    finally:
+        if not initialised:
+            ray.shutdown()
+
+
 def _run(command: list[str], timeout: float) -> str:
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     output = result.stdout + result.stderr

@@ -25,7 +25,7 @@ from orchestrator.cluster import orphaned_engine_processes
 from orchestrator.config import load_topology
 from orchestrator.status import gateway_url
 from tests.integration.cases import PROMPTS
-from tests.integration.conftest import ROOT, TOKENFAB, remove_app
+from tests.integration.conftest import ROOT, TOKENFAB, event_credentials, remove_app
 
 TOPOLOGY = ROOT / "tests/integration/topology-multinode.yaml"
 HEAD, NODE2 = "127.0.0.2", "127.0.0.3"
@@ -103,6 +103,7 @@ def test_request_crosses_nodes_and_equals_the_bare_engine(multinode) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, b"")
+    event_credentials(topology).apply(socket, decode_events)  # CURVE, the application's keys
     socket.connect(decode_events)  # the decode engine's events, from the other node, over tcp
     time.sleep(0.5)
     index = max(range(len(PROMPTS)), key=lambda i: len(reference["prompts"][i]["prompt_token_ids"]))

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.integration.cases import CHATS, PROMPTS
-from tests.integration.conftest import Deployment
+from tests.integration.conftest import Deployment, event_credentials
 
 MODEL = "tiny"
 
@@ -196,13 +196,15 @@ def test_replicas_report_engine_load(deployment: Deployment, http: httpx.Client)
 def test_kv_events_match_router_block_hashes(deployment: Deployment, http: httpx.Client) -> None:
     """Each replica publishes BlockStored events on its endpoint, and the router's hashing of the
     prompt (vLLM's own functions, through pools.block_hasher) gives exactly the published hashes,
-    with and without a cache salt."""
+    with and without a cache salt. A subscriber without the application's key, on the same
+    endpoints at the same time, receives nothing."""
     import zmq
 
     from pools.block_hasher import VllmBlockHasher
 
     context = zmq.Context()
     sockets = _subscribe_to_replicas(deployment, context)
+    keyless = _subscribe_to_replicas(deployment, context, credentials=None)
     try:
         for salt in (None, "tenant-a"):
             body = {"model": MODEL, "prompt": "kv events " + "stone river " * 200, "max_tokens": 2,
@@ -215,18 +217,29 @@ def test_kv_events_match_router_block_hashes(deployment: Deployment, http: httpx
             expected = VllmBlockHasher(block_size).block_hashes(prompt_ids, cache_salt=salt)
             assert len(expected) >= 3
             assert published[:len(expected)] == expected
+        for replica, socket in keyless.items():
+            assert not socket.poll(0, zmq.POLLIN), f"a keyless subscriber read {replica}'s events"
     finally:
         context.destroy(linger=0)
 
 
-def _subscribe_to_replicas(deployment: Deployment, context) -> dict:
-    """A SUB socket on each replica's KV event endpoint (from `tokenfab status`), by replica."""
+_KEYS = object()  # the application's keys, read from the GCS
+
+
+def _subscribe_to_replicas(deployment: Deployment, context, credentials=_KEYS) -> dict:
+    """A SUB socket on each replica's KV event endpoint (from `tokenfab status`), by replica,
+    presenting the application's keys unless told otherwise."""
     import zmq
 
+    if credentials is _KEYS:
+        credentials = event_credentials(deployment.topology)
     sockets = {}
     for row in _json_tail(deployment.tokenfab("status", "--json").stdout):
         socket = context.socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.LINGER, 0)
+        if credentials is not None:
+            credentials.apply(socket, row["kv_events_endpoint"])
         socket.connect(row["kv_events_endpoint"])
         sockets[row["replica"]] = socket
     time.sleep(0.5)  # let the subscriptions reach the publishers
