@@ -17,6 +17,7 @@ from pools.engine import LoadSnapshot
 
 NAMESPACE = "tokenfab"
 REPORT_INTERVAL_S = 1.0
+INGRESS_TTL_S = 15.0  # an ingress replica that has not announced itself for this long is gone
 
 
 class ReplicaReport(msgspec.Struct, frozen=True):
@@ -42,6 +43,14 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     channel: str | None = None  # host:port of its data channel, once the engine is ready
 
 
+class IngressReport(msgspec.Struct, frozen=True):
+    """An ingress (gateway) replica: where the others ask for its series (see gateway.peers)."""
+
+    replica_id: str
+    channel: str  # host:port of its channel server
+    reported_at: float = 0.0
+
+
 def registry_name(app: str) -> str:
     return f"registry-{app}"
 
@@ -54,6 +63,16 @@ class ReplicaRegistry:
         self._ttl_s = ttl_s
         self._reports: dict[str, ReplicaReport] = {}
         self._scaling: dict[str, ScaleRecord] = {}
+        self._ingresses: dict[str, IngressReport] = {}
+
+    def announce(self, report: IngressReport) -> None:
+        self._ingresses[report.replica_id] = msgspec.structs.replace(report,
+                                                                     reported_at=time.time())
+
+    def ingresses(self) -> list[IngressReport]:
+        cutoff = time.time() - INGRESS_TTL_S
+        self._ingresses = {k: r for k, r in self._ingresses.items() if r.reported_at >= cutoff}
+        return sorted(self._ingresses.values(), key=lambda r: r.replica_id)
 
     def report(self, report: ReplicaReport) -> None:
         self._reports[report.replica_id] = msgspec.structs.replace(report, reported_at=time.time())
@@ -66,6 +85,7 @@ class ReplicaRegistry:
 
     def forget(self, replica_id: str) -> None:
         self._reports.pop(replica_id, None)
+        self._ingresses.pop(replica_id, None)
 
     def snapshot(self) -> list[ReplicaReport]:
         cutoff = time.time() - self._ttl_s

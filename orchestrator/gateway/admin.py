@@ -20,6 +20,7 @@ from orchestrator.gateway import pool_metrics
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.http import HttpRequest, Responder
+from orchestrator.gateway.peers import IngressPeers, merge
 from kvtransfer.metrics import TransferMetrics
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.admin")
@@ -40,6 +41,7 @@ class Admin:
         self._app, self._pools, self._directory, self._guard = app, pools, directory, guard
         self._registry, self._replica_id = registry, replica_id
         self._route_prefix, self._transfers = route_prefix, transfers
+        self.peers: IngressPeers | None = None  # set once the ingress serves its series
         self._gets: dict[str, Callable[[Responder], Awaitable[None]]] = {
             "/health": self._health, "/-/healthz": self._healthz, "/-/routes": self._routes,
             "/ready": self._ready, "/metrics": self._metrics, "/tokenfab/pd": self._pd,
@@ -91,11 +93,17 @@ class Admin:
         responder.send(200, _encode({"status": "ready", "ready_replicas": dict(ready),
                                      "kv_event_streams": streams}))
 
-    async def _metrics(self, responder: Responder) -> None:
-        """This ingress replica's series, then every pool replica's (see pool_metrics)."""
+    def own_series(self) -> bytes:
+        """This ingress replica's series (its requests, queues, block maps), as of now."""
         for pool in self._pools.values():
             pool.service.record_metrics()
-        body = generate_latest(self._registry)
+        return generate_latest(self._registry)
+
+    async def _metrics(self, responder: Responder) -> None:
+        """Every ingress replica's series, each labelled `ingress` (see peers), then every pool
+        replica's (see pool_metrics)."""
+        body = await self.peers.exposition() if self.peers is not None \
+            else merge({self._replica_id: self.own_series()})
         try:
             reports = await self._directory.snapshot()
         except Exception:  # noqa: BLE001 - a scrape without pool series beats a failed scrape

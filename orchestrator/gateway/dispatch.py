@@ -20,7 +20,7 @@ import ray
 from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
 from channel.frames import Head, Refused, Request
 from orchestrator.gateway.errors import GatewayError
-from pools.registry import ReplicaReport, get_registry
+from pools.registry import IngressReport, ReplicaReport, get_registry
 from router.index import ReplicaId
 from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey
@@ -70,8 +70,26 @@ class ReplicaDirectory:
             raise
 
     async def scaling(self, timeout_s: float = 2.0) -> list:
-        await self.snapshot(timeout_s)  # resolves the registry handle
-        return await asyncio.wait_for(self._registry.scaling.remote(), timeout_s)
+        return await self._call("scaling", timeout_s)
+
+    async def announce(self, report: IngressReport, timeout_s: float = 2.0) -> None:
+        await self._call("announce", timeout_s, report)
+
+    async def ingresses(self, timeout_s: float = 2.0) -> list[IngressReport]:
+        return await self._call("ingresses", timeout_s)
+
+    async def forget(self, replica_id: str, timeout_s: float = 2.0) -> None:
+        await self._call("forget", timeout_s, replica_id)
+
+    async def _call(self, method: str, timeout_s: float, *args: object):
+        if self._registry is None:
+            await self.snapshot(timeout_s)  # resolves the registry handle
+        try:
+            return await asyncio.wait_for(getattr(self._registry, method).remote(*args),
+                                          timeout_s)
+        except ray.exceptions.RayError:
+            self._registry = None
+            raise
 
     def poke(self) -> None:
         """Read the registry again now (a request found no replica that could take it)."""

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+import ray
 from prometheus_client import CollectorRegistry
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -24,6 +25,7 @@ from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.flows import DisaggregatedFlow, Flow, UnifiedFlow
 from orchestrator.gateway.http import HttpServer
 from orchestrator.gateway.metrics import GatewayMetrics
+from orchestrator.gateway.peers import IngressPeers
 from orchestrator.gateway.routes import Routes
 from orchestrator.gateway.tenancy import Tenants, salt_key
 from kvtransfer.metrics import TransferMetrics
@@ -77,7 +79,7 @@ class Gateway:
 
     async def __init__(self, topology: dict[str, Any], pools: dict[str, DeploymentHandle]) -> None:
         self._topology = topology_ = Topology.model_validate(topology)
-        replica_id = serve.get_replica_context().replica_id.unique_id
+        self._replica_id = replica_id = serve.get_replica_context().replica_id.unique_id
         registry = CollectorRegistry()
         tenants = Tenants.from_topology(topology_, await asyncio.to_thread(salt_key, topology_))
         metrics = GatewayMetrics(registry, tenants.names)
@@ -110,6 +112,9 @@ class Gateway:
         gateway = topology_.gateway
         admin = Admin(topology_.name, self._pools, self._directory, registry, replica_id,
                       gateway.route_prefix, transfers, tenants.authenticate_admin)
+        self._peers = admin.peers = IngressPeers(replica_id, secret, admin.own_series,
+                                                 self._directory)
+        await self._peers.start(ray.util.get_node_ip_address())
         self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter)
         self._server = HttpServer(routes.handle, gateway.max_body_bytes)
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")
@@ -128,5 +133,10 @@ class Gateway:
         while self._routes.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self._directory_task.cancel()
+        self._peers.close()
+        try:  # the others stop asking it for its series (else its entry expires)
+            await self._directory.forget(self._replica_id)
+        except Exception:  # noqa: BLE001 - the registry may be gone with the application
+            pass
         for pool in self._pools.values():
             pool.close()

@@ -16,6 +16,7 @@ import pytest
 
 from tests.integration.cases import CHATS, PROMPTS
 from tests.integration.conftest import Deployment, event_credentials
+from tests.promql import scrape
 
 MODEL = "tiny"
 
@@ -344,9 +345,11 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(deployment: Deployment,
         assert response.headers["x-tokenfab-replica"] == holder
         engine_cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert engine_cached >= 128 * (prompt_tokens // 128 - 1)  # the engine confirms the hit
-    metrics = httpx.get(deployment.base_url.removesuffix("/v1") + "/metrics", trust_env=False).text
-    assert 'tokenfab_router_decisions_total{policy="kv_aware",pool="main"}' in metrics
-    assert "tokenfab_router_predicted_cached_tokens_total" in metrics
+    samples = scrape(deployment.base_url.removesuffix("/v1") + "/metrics")
+    decisions = [s for s in samples if s.name == "tokenfab_router_decisions_total"]
+    assert [(s.labels["policy"], s.labels["pool"]) for s in decisions] == [("kv_aware", "main")]
+    assert decisions[0].value >= 4 and decisions[0].labels["ingress"]  # one ingress replica here
+    assert any(s.name == "tokenfab_router_predicted_cached_tokens_total" for s in samples)
     status = _json_tail(deployment.tokenfab("status", "--json").stdout)
     assert {row["replica"]: row["cached_blocks"] for row in status}[holder] >= prompt_tokens // 128
 
