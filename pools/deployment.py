@@ -28,8 +28,10 @@ from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, sock
 from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
 from pools.usage import StreamMeter, usage_of, with_stream_usage
 from tokenfab.errors import EngineError
+from tokenfab.serve_replica import bind_to_node_address
 
 logger = logging.getLogger(__name__)
+bind_to_node_address()  # before Serve starts this replica's gRPC server
 
 SOCKET_DIR = Path(os.environ.get("TOKENFAB_SOCKET_DIR", f"/tmp/tokenfab-{os.getuid()}/kv"))
 

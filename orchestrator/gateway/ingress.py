@@ -35,8 +35,10 @@ from router.event_sync import EventCredentials
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
+from tokenfab.serve_replica import bind_to_node_address
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.gateway")
+bind_to_node_address()  # before Serve starts this replica's gRPC server
 
 DRAIN_TIMEOUT_S = 60.0
 

@@ -59,6 +59,24 @@ def event_credentials(topology: Topology):
             ray.shutdown()
 
 
+def listeners_outside_loopback() -> list[tuple]:
+    """Listening sockets of this user's processes on an address outside 127.0.0.0/8, wildcards
+    included (a socket whose owner cannot be seen is another user's)."""
+    import ipaddress
+
+    import psutil
+
+    offenders = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid is None:
+            continue
+        address = ipaddress.ip_address(conn.laddr.ip)
+        address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:127.0.0.1
+        if not address.is_loopback:
+            offenders.append((conn.laddr, conn.pid, psutil.Process(conn.pid).name()))
+    return offenders
+
+
 def _run(command: list[str], timeout: float) -> str:
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     output = result.stdout + result.stderr

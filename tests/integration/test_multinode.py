@@ -8,7 +8,6 @@ interface and dials that. Addresses elsewhere in 127.0.0.0/8 are kept as given."
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import signal
 import subprocess
@@ -25,7 +24,8 @@ from orchestrator.cluster import orphaned_engine_processes
 from orchestrator.config import load_topology
 from orchestrator.status import gateway_url
 from tests.integration.cases import PROMPTS
-from tests.integration.conftest import ROOT, TOKENFAB, event_credentials, remove_app
+from tests.integration.conftest import (ROOT, TOKENFAB, event_credentials,
+                                        listeners_outside_loopback, remove_app)
 
 TOPOLOGY = ROOT / "tests/integration/topology-multinode.yaml"
 HEAD, NODE2 = "127.0.0.2", "127.0.0.3"
@@ -133,15 +133,6 @@ def test_request_crosses_nodes_and_equals_the_bare_engine(multinode) -> None:
 
 
 def test_nothing_listens_outside_loopback(multinode) -> None:
-    """Every listening socket of this machine is on 127.0.0.0/8, or a wildcard that Ray itself
-    opens (its Serve replicas' internal gRPC server binds [::]:0, hard-coded in Ray)."""
-    offenders = []
-    for conn in psutil.net_connections(kind="inet"):
-        if conn.status != psutil.CONN_LISTEN:
-            continue
-        address = ipaddress.ip_address(conn.laddr.ip)
-        address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:127.0.0.1
-        if address.is_loopback or address.is_unspecified:
-            continue
-        offenders.append((conn.laddr, conn.pid))
-    assert offenders == []
+    """Every listening socket of this user's processes is on 127.0.0.0/8: no wildcard either
+    (Serve's replica gRPC servers included, see tokenfab/serve_replica.py)."""
+    assert listeners_outside_loopback() == []

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.integration.cases import CHATS, PROMPTS
-from tests.integration.conftest import Deployment, event_credentials
+from tests.integration.conftest import Deployment, event_credentials, listeners_outside_loopback
 from tests.promql import scrape
 
 MODEL = "tiny"
@@ -461,3 +461,11 @@ def test_scale_down_drains_in_flight_requests(deployment: Deployment) -> None:
     # the removed replica leaves the router's map once the registry stops reporting it
     _wait(lambda: set(_router_replicas(deployment)) == {rows[0]["replica"]}, 30,
           "the removed replica to leave the map")
+
+
+def test_nothing_listens_outside_loopback(deployment: Deployment, http: httpx.Client) -> None:
+    """The gateway, both pool replicas with their engines, relays and channels, Serve's replica
+    gRPC servers and Ray's daemons: every listening socket on 127.0.0.0/8, none on a wildcard."""
+    assert http.post("/completions", json={"model": MODEL, "prompt": "listen", "max_tokens": 1}
+                     ).status_code == 200
+    assert listeners_outside_loopback() == []
