@@ -22,6 +22,7 @@ from channel.secret import channel_secret, event_keys
 from channel.server import ChannelServer, Reply, Request
 from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
+from pools import engine_watchdog
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import Endpoint, EngineSpec, ReplyHead, openai_error
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
@@ -107,6 +108,7 @@ class PoolReplica:
 
     def _place_engine(self) -> CoreClaim | None:
         os.environ["VLLM_HOST_IP"] = self._node_ip
+        os.environ[engine_watchdog.ENV] = str(os.getpid())  # its engine dies with it
         if self._settings.gpus or not self._settings.pin_cores:
             return None
         claim = claim_cores(max(1, int(self._settings.cpus)))

@@ -415,10 +415,12 @@ def test_restarted_gateway_rebuilds_the_map_from_replay(deployment: Deployment,
 
 def test_replaced_replica_leaves_the_map_and_its_successor_joins(deployment: Deployment,
                                                                   http: httpx.Client) -> None:
-    """A replica that dies is replaced by Serve under a new id: the dead one's blocks leave the
-    map (they are gone with its engine), the new one is followed, and requests keep succeeding."""
-    import os
+    """A replica that dies is replaced by Serve under a new id: its engine processes end with it
+    (pools/engine_watchdog.py), the dead one's blocks leave the map (they are gone with its
+    engine), the new one is followed, and requests keep succeeding."""
     import signal
+
+    import psutil
 
     from orchestrator.cluster import orphaned_engine_processes
 
@@ -428,10 +430,15 @@ def test_replaced_replica_leaves_the_map_and_its_successor_joins(deployment: Dep
     _wait(lambda: _router_replicas(deployment).get(victim, {}).get("cached_blocks", 0) > 0, 10,
           "the victim's blocks in the map")
     reports = _gateway(deployment, "/tokenfab/replicas")
-    os.kill(next(r["pid"] for r in reports if r["replica_id"] == victim), signal.SIGKILL)
-    time.sleep(2)
-    for pid in orphaned_engine_processes():  # its engine processes, orphaned by the kill
-        os.kill(pid, signal.SIGKILL)
+    replica = psutil.Process(next(r["pid"] for r in reports if r["replica_id"] == victim))
+    engines = [p for p in replica.children(recursive=True) if p.name().startswith("VLLM::")]
+    assert len(engines) >= 2  # EngineCore and its worker
+    replica.send_signal(signal.SIGKILL)  # the replica, not its engine
+    gone, alive = psutil.wait_procs(engines, timeout=10)  # each checks its parent every second
+    for process in alive:
+        process.kill()
+    assert not alive, f"engine processes outlived their replica by 10 s: {alive}"
+    assert not orphaned_engine_processes()
     _wait(lambda: victim not in _router_replicas(deployment), 30, "the dead replica to leave")
     assert http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}
                      ).status_code == 200  # the survivor serves meanwhile
