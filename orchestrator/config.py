@@ -215,6 +215,10 @@ class GatewaySpec(_Strict):
     route_prefix: str = Field("/", pattern=r"^/", description="URL prefix of this application.")
     replicas: int = Field(1, ge=1, description="Ingress replicas.")
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline for one request.")
+    retries: int = Field(
+        2, ge=0, description="Times a request goes to another replica of its pool when the one "
+        "it was on failed (engine dead, replica gone) before any byte of the answer reached the "
+        "client; within the request's deadline, charged once.")
     max_body_bytes: ByteSize = Field(1_048_576, description="Largest accepted request body.")
 
     @field_validator("max_body_bytes", mode="before")

@@ -38,6 +38,11 @@ class RouterMetrics:
         self.gaps = Counter("tokenfab_router_event_gaps",
                             "Sequence gaps in KV event streams, by how they were closed",
                             ["pool", "outcome"], registry=registry)
+        self.failures = Counter(
+            "tokenfab_router_replica_failures",
+            "Requests whose replica failed or went away before answering them (each was sent to "
+            "another replica, or answered 503 when none was left to try)", ["pool", "replica"],
+            registry=registry)
         self.replicas = Gauge("tokenfab_router_followed_replicas",
                               "Replicas whose KV event streams are followed now", ["pool"],
                               registry=registry)

@@ -112,6 +112,11 @@ class RoutingService:
     def finished(self, request_id: str) -> None:
         self._tracker.finished(request_id)
 
+    def failed(self, replica: ReplicaId) -> None:
+        """A request on `replica` failed before it was answered (engine dead, replica gone)."""
+        if self._metrics is not None:
+            self._metrics.failures.labels(self.pool, replica).inc()
+
     def in_flight(self, replica: ReplicaId) -> int:
         """Requests this router has on `replica` now."""
         return self._tracker.in_flight(replica)

@@ -19,7 +19,7 @@ import ray
 
 from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
 from channel.frames import Head, Refused, Request
-from orchestrator.gateway.errors import GatewayError
+from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from pools.registry import IngressReport, ReplicaReport, get_registry
 from router.index import ReplicaId
 from router.service import RoutingService
@@ -121,8 +121,8 @@ class PoolDispatcher:
 
     def __init__(self, pool: str, service: RoutingService, max_ongoing_requests: int,
                  secret: bytes, gateway: str, wake: Callable[[], Awaitable[None]],
-                 directory: ReplicaDirectory) -> None:
-        self.pool, self.service = pool, service
+                 directory: ReplicaDirectory, retries: int = 0) -> None:
+        self.pool, self.service, self.retries = pool, service, retries
         self._max_ongoing, self._secret, self._gateway = max_ongoing_requests, secret, gateway
         self._wake, self._directory = wake, directory
         self._links: dict[ReplicaId, ReplicaLink] = {}
@@ -178,11 +178,12 @@ class PoolDispatcher:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def open(self, request: Request, key: RouteKey, deadline: float
-                   ) -> tuple[ReplyStream, Head]:
-        """Open the request on the best replica that takes it; its head once it came. Waits
-        while no replica can take it; GatewayError 503/504 when the deadline passes first."""
-        skip: set[ReplicaId] = set()
+    async def open(self, request: Request, key: RouteKey, deadline: float,
+                   exclude: frozenset[ReplicaId] = frozenset()) -> tuple[ReplyStream, Head]:
+        """Open the request on the best replica that takes it, never one in `exclude`; its head
+        once it came. Waits while no replica can take it; GatewayError 503/504 when the deadline
+        passes first, ReplicaFailed when the replica failed before answering."""
+        skip: set[ReplicaId] = set(exclude)
         while True:
             for replica in self.service.rank(key, self._available(skip)):
                 link = self._links[replica]
@@ -204,7 +205,11 @@ class PoolDispatcher:
             if not await self._hold(deadline):
                 raise GatewayError(503, f"no replica of pool {self.pool} could take the request "
                                         f"within the request deadline; retry", code=NO_REPLICA)
-            skip.clear()
+            skip = set(exclude)
+
+    def has_replicas_besides(self, replicas: set[ReplicaId]) -> bool:
+        """Whether the pool has a replica (connected or not) outside `replicas`."""
+        return any(replica not in replicas for replica in self._links)
 
     def finished(self, key: RouteKey) -> None:
         """The request ended (however): its replica has room again."""
@@ -271,7 +276,7 @@ async def _head(stream: ReplyStream, deadline: float) -> Head | Refused | None:
     except LinkLost:
         return None
     except ReplyFailed as exc:
-        raise GatewayError(503, f"engine replica failed: {exc}; retry") from exc
+        raise ReplicaFailed(stream.replica, f"engine replica failed: {exc}; retry") from exc
     except BaseException:
         stream.cancel()
         raise

@@ -31,6 +31,15 @@ class GatewayError(Exception):
         return b"data: " + error_body(self.status, self.message, self.param, self.code) + b"\n\n"
 
 
+class ReplicaFailed(GatewayError):
+    """The replica a request was on failed, or went away, before the request was answered: a
+    503 unless the flow can send it to another replica (nothing reached the client yet)."""
+
+    def __init__(self, replica: str, message: str) -> None:
+        super().__init__(503, message, code="replica_failed")
+        self.replica = replica
+
+
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> bytes:
     if code is None and status == 404 and param == "model":

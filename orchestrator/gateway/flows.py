@@ -23,7 +23,7 @@ import msgspec
 from channel.client import LinkLost, ReplyFailed, ReplyStream
 from channel.frames import Request, Usage
 from orchestrator.gateway.dispatch import PoolDispatcher
-from orchestrator.gateway.errors import GatewayError
+from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from orchestrator.gateway.relay import Call, relay
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.params import decode_body, is_transferable, prefill_body
@@ -59,12 +59,26 @@ def _keys(pools: Mapping[str, PoolDispatcher], request_id: str, tokens: list[int
 
 async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, Any]
                ) -> Usage | None:
-    stream, head = await pool.open(Request(call.endpoint, _encode(body)), key, call.deadline)
-    call.reached_engine = True
-    try:
-        return await relay(call, stream, head, lambda: pool.service.first_token(key.request_id))
-    finally:
-        pool.finished(key)
+    """One pool's part of the call. A replica that fails before any byte reached the client
+    (its engine died, it went away) is left out and the request goes to another, up to
+    `pool.retries` times within the call's deadline; after the first byte a failure is the
+    client's to see."""
+    request, failed = Request(call.endpoint, _encode(body)), set()
+    while True:
+        try:
+            stream, head = await pool.open(request, key, call.deadline, frozenset(failed))
+            call.reached_engine = True
+            try:
+                return await relay(call, stream, head,
+                                   lambda: pool.service.first_token(key.request_id))
+            finally:
+                pool.finished(key)
+        except ReplicaFailed as exc:
+            pool.service.failed(exc.replica)
+            failed.add(exc.replica)
+            if call.responder.started or len(failed) > pool.retries \
+                    or not pool.has_replicas_besides(failed):
+                raise
 
 
 class UnifiedFlow:

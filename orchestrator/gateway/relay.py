@@ -16,7 +16,7 @@ from typing import Any
 
 from channel.client import LinkLost, ReplyFailed, ReplyStream
 from channel.frames import Head, Usage
-from orchestrator.gateway.errors import GatewayError
+from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from orchestrator.gateway.http import Responder
 
 
@@ -54,18 +54,24 @@ async def relay(call: Call, stream: ReplyStream, head: Head,
         call.responder.send(head.status, stream.body(), call.headers(head.replica_id))
         return usage
     responder, clock = call.responder, _TokenClock(call, on_first_token)
+    headers = call.headers(head.replica_id)
 
     def sink(chunk: bytes, token: bool) -> None:
+        if not responder.started:  # the headers leave with the first bytes, not before: until
+            responder.start_stream(head.status, headers)  # then another replica may answer
         responder.write(chunk)
         clock.tick(token)
 
-    responder.start_stream(head.status, call.headers(head.replica_id))
     stream.attach(sink)
     try:
         usage = await _end(stream, call.timeout_s, clock)
-    except GatewayError as exc:  # headers are sent: report the failure in-stream
-        responder.write(exc.sse())
+    except GatewayError as exc:
+        if not responder.started:
+            raise  # nothing was sent: the flow may send the request elsewhere, or answer it
+        responder.write(exc.sse())  # headers are sent: report the failure in-stream
         call.stream_error, usage = exc.status, None
+    if not responder.started:
+        responder.start_stream(head.status, headers)
     responder.end_stream()
     return usage
 
@@ -88,9 +94,9 @@ async def _end(stream: ReplyStream, timeout_s: float, clock: _TokenClock | None 
                     stream.cancel()
                     raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s")
     except ReplyFailed as exc:
-        raise GatewayError(503, f"engine replica failed: {exc}; retry") from exc
+        raise ReplicaFailed(stream.replica, f"engine replica failed: {exc}; retry") from exc
     except LinkLost as exc:
-        raise GatewayError(503, "engine replica unavailable; retry") from exc
+        raise ReplicaFailed(stream.replica, "engine replica unavailable; retry") from exc
     except BaseException:
         stream.cancel()  # the client left (cancelled): abort the engine's request
         raise

@@ -413,6 +413,48 @@ def test_restarted_gateway_rebuilds_the_map_from_replay(deployment: Deployment,
     assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_a_dead_engine_costs_no_request(deployment: Deployment, http: httpx.Client) -> None:
+    """SIGKILL one replica's EngineCore: requests the router sends there (its cache holds their
+    prefix) fail on it before any byte reached the client, and the gateway sends them to the
+    other replica (gateway.retries): every one is answered, whole, streamed or not. Serve then
+    replaces the broken replica (its health check fails)."""
+    import signal
+
+    import psutil
+
+    prefix = _long_prompt("dead", 300)
+    victim = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}
+                       ).headers["x-tokenfab-replica"]
+    _wait(lambda: _router_replicas(deployment).get(victim, {}).get("cached_blocks", 0) > 0, 10,
+          "the victim's blocks in the map")
+    reports = _gateway(deployment, "/tokenfab/replicas")
+    replica = psutil.Process(next(r["pid"] for r in reports if r["replica_id"] == victim))
+    core = next(p for p in replica.children() if p.name() == "VLLM::EngineCore")
+    core.send_signal(signal.SIGKILL)
+    core.wait(10)
+    answered = []
+    for i in range(6):
+        body = {"model": MODEL, "prompt": f"{prefix} {i}", "max_tokens": 8, "temperature": 0,
+                "stream": i % 2 == 1}
+        response = http.post("/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-tokenfab-replica"] != victim
+        text = response.text
+        assert ("data: [DONE]" in text) if body["stream"] else \
+            response.json()["usage"]["completion_tokens"] == 8
+        assert '"error"' not in text
+        answered.append(response.headers["x-tokenfab-replica"])
+    samples = scrape(deployment.base_url.removesuffix("/v1") + "/metrics")
+    assert sum(s.value for s in samples if s.name == "tokenfab_router_replica_failures_total"
+               and s.labels["replica"] == victim) >= 1  # the router did try the victim
+
+    def replaced() -> bool:
+        rows = _json_tail(deployment.tokenfab("status", "--json").stdout)
+        healthy = {row["replica"] for row in rows if row["health"] == "healthy"}
+        return len(healthy) == 2 and victim not in healthy
+    _wait(replaced, 240, "Serve to replace the replica whose engine died")
+
+
 def test_replaced_replica_leaves_the_map_and_its_successor_joins(deployment: Deployment,
                                                                   http: httpx.Client) -> None:
     """A replica that dies is replaced by Serve under a new id: its engine processes end with it

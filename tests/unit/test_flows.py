@@ -60,14 +60,14 @@ class Client:
 
 
 def pool(name: str, *replicas: ScriptedReplica, policy: str = "round_robin",
-         max_ongoing: int = 64, wake=None) -> PoolDispatcher:
+         max_ongoing: int = 64, wake=None, retries: int = 0) -> PoolDispatcher:
     service = RoutingService(name, build_policy(policy), lambda size: None)
 
     async def no_wake() -> None:
         pass
 
     dispatcher = PoolDispatcher(name, service, max_ongoing, SECRET, "gw", wake or no_wake,
-                                ReplicaDirectory("t"))
+                                ReplicaDirectory("t"), retries)
     dispatcher.update([r.report(name) for r in replicas])
     return dispatcher
 
@@ -142,6 +142,67 @@ def test_a_leg_that_fails_before_its_head_leaves_no_load_behind(script: list[Ste
             assert info.value.status == status
             assert main.service.in_flight("r1") == 0
         assert await serve(UnifiedFlow(main), call(BODY)) == Usage(500, 2, 0)  # still placed
+    run(scenario())
+
+
+FAILS_BEFORE_HEAD = [Step("fail")]
+FAILS_BEFORE_BYTES = [Step("head", 200, streaming=True), Step("fail")]  # head, then nothing
+FAILS_AFTER_BYTES = [Step("head", 200, streaming=True), Step("token", payload=b"data: 1\n\n"),
+                     Step("fail")]
+
+
+@pytest.mark.parametrize("script", [FAILS_BEFORE_HEAD, FAILS_BEFORE_BYTES],
+                         ids=["before-head", "before-bytes"])
+def test_a_replica_that_fails_before_any_byte_is_left_out_and_the_request_retried(
+        script: list[Step]) -> None:
+    """Engine dead on r1: every request that round robin sends there fails before the client
+    got a byte, goes to r2 and is answered whole; r1 is tried at most once per request."""
+    async def scenario() -> None:
+        broken = await ScriptedReplica("r1", script).start()
+        healthy = await ScriptedReplica("r2", DECODED).start()
+        main = pool("main", broken, healthy, retries=2)
+        await connected(main)
+        for _ in range(4):
+            request = call(BODY)
+            assert await serve(UnifiedFlow(main), request) == Usage(500, 2, 0)
+            status, headers, body = request.responder._connection.response()
+            assert (status, headers["x-tokenfab-replica"]) == (200, "r2")
+            assert body == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+            assert request.stream_error is None
+        assert 1 <= len(broken.requests) <= 4 and len(healthy.requests) == 4
+        assert main.service.in_flight("r1") == main.service.in_flight("r2") == 0
+    run(scenario())
+
+
+@pytest.mark.parametrize(("retries", "replicas"), [(0, 2), (2, 1), (2, 2)],
+                         ids=["no-retries", "no-other-replica", "every-replica-failed"])
+def test_no_retry_left_answers_503_at_once(retries: int, replicas: int) -> None:
+    async def scenario() -> None:
+        broken = [await ScriptedReplica(f"r{i}", FAILS_BEFORE_HEAD).start()
+                  for i in range(replicas)]
+        main = pool("main", *broken, retries=retries)
+        await connected(main)
+        started = time.monotonic()
+        with pytest.raises(GatewayError) as info:
+            await serve(UnifiedFlow(main), call(BODY, timeout_s=5))
+        assert info.value.status == 503 and time.monotonic() - started < 1  # no waiting
+        tried = sum(len(r.requests) for r in broken)
+        assert tried == min(retries + 1, replicas)
+    run(scenario())
+
+
+def test_a_replica_that_fails_after_bytes_were_sent_ends_the_stream_in_band() -> None:
+    """Bytes reached the client: no retry (that is migration), an in-stream error instead."""
+    async def scenario() -> None:
+        broken = await ScriptedReplica("r1", FAILS_AFTER_BYTES).start()
+        healthy = await ScriptedReplica("r2", DECODED).start()
+        main = pool("main", broken, healthy, retries=2)
+        await connected(main)
+        request = call(BODY)
+        assert await serve(UnifiedFlow(main), request) is None
+        status, headers, body = request.responder._connection.response()
+        assert (status, headers["x-tokenfab-replica"], request.stream_error) == (200, "r1", 503)
+        assert body.startswith(b"data: 1\n\ndata: {\"error\"") and healthy.requests == []
     run(scenario())
 
 
