@@ -188,6 +188,14 @@ class RouterSpec(_Strict):
         4000.0, gt=0, description="kv_aware prior, until fitted: prefill throughput of a replica.")
     history_ttl_s: float = Field(
         300.0, gt=0, description="prefix_approx: how long a dispatched prefix counts as cached.")
+    breaker_failures: int = Field(
+        3, ge=1, description="A replica whose requests fail this many times (before they are "
+        "answered) within breaker_window_s is not chosen for breaker_open_s (its circuit breaker "
+        "opens), unless no other replica is left.")
+    breaker_window_s: float = Field(30.0, gt=0, description="See breaker_failures.")
+    breaker_open_s: float = Field(
+        10.0, gt=0, description="How long an open breaker keeps its replica out; then one request "
+        "probes it, and a failure doubles the time (up to 8x).")
     max_index_entries: int = Field(
         1_000_000, ge=1000, description="Bound on (block, replica) pairs in the block map of "
         "each pool, in each ingress replica; the least recently stored blocks are forgotten "

@@ -19,7 +19,7 @@ from tokenfab.errors import ClusterError
 _COLUMNS = [("pool", "POOL"), ("role", "ROLE"), ("replica", "REPLICA"), ("state", "STATE"),
             ("health", "HEALTH"), ("node", "NODE"), ("cores", "CORES"), ("running", "RUN"),
             ("waiting", "WAIT"), ("kv_usage", "KV%"), ("prefix_hit", "HIT%"),
-            ("cached_blocks", "BLOCKS"),
+            ("cached_blocks", "BLOCKS"), ("breaker", "BREAKER"),
             ("kv_transfers", "XFERS"), ("kv_transfer_failures", "XFAIL")]
 
 
@@ -73,7 +73,9 @@ def collect(dashboard_url: str, app: str | None) -> tuple[list[dict[str, Any]], 
         for replica in deployment.get("replicas") or []:
             row = _row(pool.name, pool.role, replica, reports.get(replica["replica_id"]))
             if replica["replica_id"] in in_map:
-                row["cached_blocks"] = in_map[replica["replica_id"]]["cached_blocks"]
+                routed_replica = in_map[replica["replica_id"]]
+                row["cached_blocks"] = routed_replica["cached_blocks"]
+                row["breaker"] = routed_replica.get("breaker", "-")
             rows.append(row)
     return rows, _from_gateway(topology, "/tokenfab/pd") or {}
 
@@ -93,6 +95,7 @@ def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] |
             "kv_usage": round(100 * load["kv_cache_usage"], 1),
             "prefix_hit": round(100 * load["prefix_cache_hits"] / queries, 1) if queries else 0.0,
             "engine": report["state"], "engine_start_s": round(report["engine_start_s"], 1),
+            "health": "engine failed" if report["state"] == "failed" else row["health"],
             "kv_events_endpoint": report["kv_events_endpoint"],
             "side_channel": report["side_channel"],
             "kv_transfers": load["kv_transfers"],

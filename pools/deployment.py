@@ -221,7 +221,8 @@ class PoolReplica:
         return ReplicaReport(
             app=self._settings.app, pool=self._settings.pool, role=self._settings.role,
             replica_id=self._replica_id, node_ip=self._node_ip, pid=os.getpid(),
-            cores=self._cores.cores if self._cores else [], state=self._state, load=self._load(),
+            cores=self._cores.cores if self._cores else [], load=self._load(),
+            state="failed" if self._state == "ready" and self._engine.dead else self._state,
             kv_events_endpoint=self._kv_events.public if self._kv_events else None,
             kv_replay_endpoint=self._kv_events.replay if self._kv_events else None,
             block_size=self._engine.block_size, kv_blocks=self._engine.kv_blocks,

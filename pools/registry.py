@@ -30,7 +30,7 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     node_ip: str
     pid: int
     cores: list[int]
-    state: str  # "starting", "ready", "draining"
+    state: str  # "starting", "ready", "draining", "failed" (its engine died)
     load: LoadSnapshot
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None

@@ -271,6 +271,11 @@ class VllmEngine:
         yield ReplyHead(200, streaming=False)
         yield result.model_dump_json().encode()
 
+    @property
+    def dead(self) -> bool:
+        """The engine process failed (it will not answer again; Serve replaces the replica)."""
+        return self._llm is not None and self._llm.errored
+
     def _raise_if_dead(self, exc: Exception) -> None:
         if self._llm is None or self._llm.errored:
             raise EngineDeadError(f"engine for {self.spec.model_name} died: {exc}") from exc

@@ -43,6 +43,14 @@ class RouterMetrics:
             "Requests whose replica failed or went away before answering them (each was sent to "
             "another replica, or answered 503 when none was left to try)", ["pool", "replica"],
             registry=registry)
+        self.breaker_trips = Counter(
+            "tokenfab_router_breaker_trips",
+            "Times a replica's circuit breaker opened (router.breaker)", ["pool", "replica"],
+            registry=registry)
+        self.breaker_open = Gauge(
+            "tokenfab_router_breaker_open",
+            "1 while a replica's circuit breaker keeps the router from choosing it",
+            ["pool", "replica"], registry=registry)
         self.replicas = Gauge("tokenfab_router_followed_replicas",
                               "Replicas whose KV event streams are followed now", ["pool"],
                               registry=registry)

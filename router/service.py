@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from router.breaker import CircuitBreakers
 from router.event_sync import EventCredentials, ReplicaEventStream
 from router.hashing import BlockHasher
 from router.index import BYTES_PER_ENTRY, DEFAULT_MAX_ENTRIES, KVBlockIndex, ReplicaId
@@ -39,8 +40,10 @@ class RoutingService:
                  history_ttl_s: float = 300.0, prior_tokens_per_s: float = 4000.0,
                  in_flight_cost_tokens: float = 128.0,
                  event_credentials: EventCredentials | None = None,
+                 breakers: CircuitBreakers | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool, self.policy = pool, policy
+        self._breakers = breakers or CircuitBreakers(clock=clock)
         self._event_credentials = event_credentials
         self._hasher_factory, self._metrics = hasher_factory, metrics
         self._follow_events = follow_events and policy.reads_block_map  # else nothing reads them
@@ -98,6 +101,7 @@ class RoutingService:
         matched = self._index.longest_prefix(key.block_hashes).get(replica, 0) \
             if key.block_hashes else 0
         cached = min(matched * key.block_size, key.prompt_tokens)
+        self._breakers.answered(replica)
         self._tracker.dispatched(key.request_id, replica, key.prompt_tokens - cached)
         if key.block_hashes:
             self._history.record(replica, key.block_hashes)
@@ -113,9 +117,20 @@ class RoutingService:
         self._tracker.finished(request_id)
 
     def failed(self, replica: ReplicaId) -> None:
-        """A request on `replica` failed before it was answered (engine dead, replica gone)."""
+        """A request on `replica` failed before it was answered (engine dead, replica gone);
+        enough of them open its circuit breaker."""
+        tripped = self._breakers.failed(replica)
+        if tripped:
+            logger.warning("pool %s: replica %s failed repeatedly; not chosen for a while",
+                           self.pool, replica)
         if self._metrics is not None:
             self._metrics.failures.labels(self.pool, replica).inc()
+            if tripped:
+                self._metrics.breaker_trips.labels(self.pool, replica).inc()
+
+    def allows(self, replica: ReplicaId) -> bool:
+        """Whether the replica's circuit breaker lets the router choose it now."""
+        return self._breakers.allows(replica)
 
     def in_flight(self, replica: ReplicaId) -> int:
         """Requests this router has on `replica` now."""
@@ -202,6 +217,8 @@ class RoutingService:
                 "engine_cached_tokens": view.engine_cached_tokens,
                 "engine_prompt_tokens": view.engine_prompt_tokens,
                 "in_flight": self._tracker.in_flight(replica),
+                "breaker": self._breakers.state(replica),
+                "breaker_trips": self._breakers.trips(replica),
             }
         return out
 
@@ -288,6 +305,7 @@ class RoutingService:
         self._tracker.forget(replica)
         self._history.forget(replica)
         self._churn.forget(replica)
+        self._breakers.forget(replica)
 
     def stop(self) -> None:
         for replica in list(self._tasks):
@@ -318,6 +336,8 @@ class RoutingService:
             return
         for replica, view in self._views.items():
             self._metrics.realised_cached.labels(self.pool, replica).set(view.engine_cached_tokens)
+            self._metrics.breaker_open.labels(self.pool, replica).set(
+                self._breakers.state(replica) == "open")
             self._metrics.cached_blocks.labels(self.pool, replica).set(
                 self._index.blocks_of(replica))
         self._metrics.index_entries.labels(self.pool).set(len(self._index))

@@ -172,9 +172,13 @@ class PoolDispatcher:
         asyncio.get_running_loop().create_task(connect(), name=f"link-{replica}")
 
     def _available(self, skip: set[ReplicaId]) -> list[ReplicaId]:
-        return [replica for replica, link in self._links.items()
-                if link.state == "ready" and replica not in skip
-                and self.service.in_flight(replica) < self._max_ongoing]
+        """Replicas that can take a request now. Those whose circuit breaker is open are left
+        out, unless that would leave none (a pool never shuts itself off entirely)."""
+        open_ = [replica for replica, link in self._links.items()
+                 if link.state == "ready" and replica not in skip
+                 and self.service.in_flight(replica) < self._max_ongoing]
+        allowed = [replica for replica in open_ if self.service.allows(replica)]
+        return allowed or open_
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from orchestrator.gateway.tenancy import Tenants, salt_key
 from kvtransfer.metrics import TransferMetrics
 from orchestrator.config import PoolSpec, Topology, routing_policy
 from pools.tokenizer import PromptTokenCounter
+from router.breaker import CircuitBreakers
 from router.event_sync import EventCredentials
 from router.metrics import RouterMetrics
 from router.policies import build_policy
@@ -60,7 +61,9 @@ def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
         follow_events=topology.kv_events.enabled,
         max_index_entries=spec.max_index_entries, history_ttl_s=spec.history_ttl_s,
         prior_tokens_per_s=spec.prefill_tokens_per_s,
-        in_flight_cost_tokens=spec.in_flight_cost_tokens, event_credentials=credentials)
+        in_flight_cost_tokens=spec.in_flight_cost_tokens, event_credentials=credentials,
+        breakers=CircuitBreakers(spec.breaker_failures, spec.breaker_window_s,
+                                 spec.breaker_open_s))
 
 
 def event_credentials(app: str) -> EventCredentials:
