@@ -130,6 +130,11 @@ class PoolSpec(_Strict):
         default_factory=dict, description="vLLM engine arguments for this pool only."
     )
     max_ongoing_requests: int = Field(64, ge=1, description="Requests one replica accepts.")
+    shed_waiting: int | None = Field(
+        None, ge=1, description="Load shedding: when every ready replica of the pool reports at "
+        "least this many requests waiting in its engine's queue, a new request gets 503 with "
+        "Retry-After at once (not charged) instead of waiting; requests already sent finish. "
+        "Off when unset.")
     autoscaling: PoolTargets = Field(
         default_factory=PoolTargets, description="This pool's autoscaling targets, over the "
         "topology's autoscaler section.")

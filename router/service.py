@@ -132,6 +132,11 @@ class RoutingService:
         """Whether the replica's circuit breaker lets the router choose it now."""
         return self._breakers.allows(replica)
 
+    def waiting(self, replica: ReplicaId) -> int:
+        """Requests waiting in the replica's engine queue, as it last reported."""
+        view = self._views.get(replica)
+        return view.waiting if view is not None else 0
+
     def in_flight(self, replica: ReplicaId) -> int:
         """Requests this router has on `replica` now."""
         return self._tracker.in_flight(replica)

@@ -114,6 +114,8 @@ class ReplicaDirectory:
 
 
 NO_REPLICA = "no_replica"  # the code of the 503 for a request no replica took (it is refunded)
+OVERLOADED = "overloaded"  # the code of the 503 of load shedding (refunded too)
+SHED_RETRY_AFTER_S = 1.0
 
 
 class PoolDispatcher:
@@ -121,8 +123,10 @@ class PoolDispatcher:
 
     def __init__(self, pool: str, service: RoutingService, max_ongoing_requests: int,
                  secret: bytes, gateway: str, wake: Callable[[], Awaitable[None]],
-                 directory: ReplicaDirectory, retries: int = 0) -> None:
+                 directory: ReplicaDirectory, retries: int = 0,
+                 shed_waiting: int | None = None) -> None:
         self.pool, self.service, self.retries = pool, service, retries
+        self._shed_waiting = shed_waiting
         self._max_ongoing, self._secret, self._gateway = max_ongoing_requests, secret, gateway
         self._wake, self._directory = wake, directory
         self._links: dict[ReplicaId, ReplicaLink] = {}
@@ -187,6 +191,8 @@ class PoolDispatcher:
         """Open the request on the best replica that takes it, never one in `exclude`; its head
         once it came. Waits while no replica can take it; GatewayError 503/504 when the deadline
         passes first, ReplicaFailed when the replica failed before answering."""
+        if not exclude:
+            self._shed_if_overloaded()
         skip: set[ReplicaId] = set(exclude)
         while True:
             for replica in self.service.rank(key, self._available(skip)):
@@ -210,6 +216,18 @@ class PoolDispatcher:
                 raise GatewayError(503, f"no replica of pool {self.pool} could take the request "
                                         f"within the request deadline; retry", code=NO_REPLICA)
             skip = set(exclude)
+
+    def _shed_if_overloaded(self) -> None:
+        """Load shedding (pools[].shed_waiting): refuse a new request at once when every ready
+        replica's engine queue is at the bound, rather than add to it."""
+        bound = self._shed_waiting
+        if bound is None:
+            return
+        ready = [replica for replica, link in self._links.items() if link.state == "ready"]
+        if ready and all(self.service.waiting(replica) >= bound for replica in ready):
+            raise GatewayError(503, f"pool {self.pool} is overloaded: every replica has {bound} "
+                               "or more requests waiting; retry later", code=OVERLOADED,
+                               retry_after_s=SHED_RETRY_AFTER_S)
 
     def has_replicas_besides(self, replicas: set[ReplicaId]) -> bool:
         """Whether the pool has a replica (connected or not) outside `replicas`."""

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from orchestrator.gateway.admin import Admin
-from orchestrator.gateway.dispatch import NO_REPLICA
+from orchestrator.gateway.dispatch import NO_REPLICA, OVERLOADED
 from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.flows import Flow
@@ -127,7 +127,7 @@ class Routes:
         except GatewayError as exc:
             # no replica took it, on any leg: it costs the tenant nothing. A 504 or a client
             # that left while an engine had it is charged (a whole reply's head comes last).
-            untaken = exc.code == NO_REPLICA and not (call and call.reached_engine)
+            untaken = exc.code in (NO_REPLICA, OVERLOADED) and not (call and call.reached_engine)
             if not responder.started:
                 exc.send(responder, {"x-request-id": request_id})
         finally:

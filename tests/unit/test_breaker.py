@@ -1,5 +1,6 @@
 """Circuit breakers: the state machine on an injected clock, and the dispatcher leaving a
-replica whose requests keep failing out of its choices (scripted replicas, real channel)."""
+replica whose requests keep failing out of its choices; and load shedding (scripted replicas,
+real channel)."""
 
 from __future__ import annotations
 
@@ -101,4 +102,43 @@ def test_with_every_breaker_open_the_pool_still_serves() -> None:
         started = time.monotonic()
         assert (await serve(UnifiedFlow(main), call(BODY))).completion_tokens == 2
         assert time.monotonic() - started < 1
+    run(scenario())
+
+
+def test_load_shedding_refuses_new_requests_when_every_engine_queue_is_full() -> None:
+    """pools[].shed_waiting: with every ready replica reporting that many requests waiting, a
+    new request is a 503 with Retry-After at once, sent nowhere; one replica below the bound
+    is enough to serve."""
+    import msgspec
+
+    from orchestrator.gateway.errors import GatewayError
+
+    async def scenario() -> None:
+        replicas = [await ScriptedReplica(f"r{i}", DECODED).start() for i in range(2)]
+        service = RoutingService("main", build_policy("round_robin"), lambda size: None)
+
+        async def no_wake() -> None:
+            pass
+
+        main = PoolDispatcher("main", service, 64, SECRET, "gw", no_wake, ReplicaDirectory("t"),
+                              shed_waiting=4)
+
+        def report(waiting: list[int]) -> None:
+            main.update([msgspec.structs.replace(
+                r.report(), load=msgspec.structs.replace(r.report().load, waiting=w))
+                for r, w in zip(replicas, waiting)])
+
+        report([4, 7])
+        await connected(main)
+        started = time.monotonic()
+        try:
+            await serve(UnifiedFlow(main), call(BODY))
+        except GatewayError as exc:
+            assert (exc.status, exc.code, exc.headers()) == (503, "overloaded",
+                                                             {"retry-after": "1"})
+        else:
+            raise AssertionError("an overloaded pool took the request")
+        assert time.monotonic() - started < 0.5 and not any(r.requests for r in replicas)
+        report([4, 3])
+        assert (await serve(UnifiedFlow(main), call(BODY))).completion_tokens == 2
     run(scenario())
