@@ -59,9 +59,10 @@ def event_credentials(topology: Topology):
             ray.shutdown()
 
 
-def listeners_outside_loopback() -> list[tuple]:
+def listeners_outside_loopback(wildcards: bool = True) -> list[tuple]:
     """Listening sockets of this user's processes on an address outside 127.0.0.0/8, wildcards
-    included (a socket whose owner cannot be seen is another user's)."""
+    included unless `wildcards` is False (a socket whose owner cannot be seen is another
+    user's)."""
     import ipaddress
 
     import psutil
@@ -72,7 +73,7 @@ def listeners_outside_loopback() -> list[tuple]:
             continue
         address = ipaddress.ip_address(conn.laddr.ip)
         address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:127.0.0.1
-        if not address.is_loopback:
+        if not address.is_loopback and (wildcards or not address.is_unspecified):
             offenders.append((conn.laddr, conn.pid, psutil.Process(conn.pid).name()))
     return offenders
 
