@@ -413,6 +413,18 @@ def test_restarted_gateway_rebuilds_the_map_from_replay(deployment: Deployment,
     assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def _victim(deployment: Deployment, http: httpx.Client, prefix: str):
+    """The replica that served `prefix` (its blocks now in the router's map), and its process."""
+    import psutil
+
+    victim = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}
+                       ).headers["x-tokenfab-replica"]
+    _wait(lambda: _router_replicas(deployment).get(victim, {}).get("cached_blocks", 0) > 0, 10,
+          "the victim's blocks in the map")
+    reports = _gateway(deployment, "/tokenfab/replicas")
+    return victim, psutil.Process(next(r["pid"] for r in reports if r["replica_id"] == victim))
+
+
 def test_a_dead_engine_costs_no_request(deployment: Deployment, http: httpx.Client) -> None:
     """SIGKILL one replica's EngineCore: requests the router sends there (its cache holds their
     prefix) fail on it before any byte reached the client, and the gateway sends them to the
@@ -420,15 +432,8 @@ def test_a_dead_engine_costs_no_request(deployment: Deployment, http: httpx.Clie
     replaces the broken replica (its health check fails)."""
     import signal
 
-    import psutil
-
     prefix = _long_prompt("dead", 300)
-    victim = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}
-                       ).headers["x-tokenfab-replica"]
-    _wait(lambda: _router_replicas(deployment).get(victim, {}).get("cached_blocks", 0) > 0, 10,
-          "the victim's blocks in the map")
-    reports = _gateway(deployment, "/tokenfab/replicas")
-    replica = psutil.Process(next(r["pid"] for r in reports if r["replica_id"] == victim))
+    victim, replica = _victim(deployment, http, prefix)
     core = next(p for p in replica.children() if p.name() == "VLLM::EngineCore")
     core.send_signal(signal.SIGKILL)
     core.wait(10)
@@ -467,12 +472,7 @@ def test_replaced_replica_leaves_the_map_and_its_successor_joins(deployment: Dep
     from orchestrator.cluster import orphaned_engine_processes
 
     prefix = _long_prompt("doomed", 320)
-    victim = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}
-                       ).headers["x-tokenfab-replica"]
-    _wait(lambda: _router_replicas(deployment).get(victim, {}).get("cached_blocks", 0) > 0, 10,
-          "the victim's blocks in the map")
-    reports = _gateway(deployment, "/tokenfab/replicas")
-    replica = psutil.Process(next(r["pid"] for r in reports if r["replica_id"] == victim))
+    victim, replica = _victim(deployment, http, prefix)
     engines = [p for p in replica.children(recursive=True) if p.name().startswith("VLLM::")]
     assert len(engines) >= 2  # EngineCore and its worker
     replica.send_signal(signal.SIGKILL)  # the replica, not its engine
