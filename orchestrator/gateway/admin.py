@@ -14,13 +14,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from orchestrator.gateway import pool_metrics
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.http import HttpRequest, Responder
-from orchestrator.gateway.peers import IngressPeers, merge
+from orchestrator.gateway.peers import IngressPeers
 from kvtransfer.metrics import TransferMetrics
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.admin")
@@ -36,12 +36,11 @@ _encode = msgspec.json.encode
 
 class Admin:
     def __init__(self, app: str, pools: Mapping[str, PoolDispatcher], directory: ReplicaDirectory,
-                 registry: CollectorRegistry, replica_id: str, route_prefix: str,
+                 peers: IngressPeers, replica_id: str, route_prefix: str,
                  transfers: TransferMetrics | None, guard: Guard) -> None:
         self._app, self._pools, self._directory, self._guard = app, pools, directory, guard
-        self._registry, self._replica_id = registry, replica_id
+        self._peers, self._replica_id = peers, replica_id
         self._route_prefix, self._transfers = route_prefix, transfers
-        self.peers: IngressPeers | None = None  # set once the ingress serves its series
         self._gets: dict[str, Callable[[Responder], Awaitable[None]]] = {
             "/health": self._health, "/-/healthz": self._healthz, "/-/routes": self._routes,
             "/ready": self._ready, "/metrics": self._metrics, "/tokenfab/pd": self._pd,
@@ -93,17 +92,10 @@ class Admin:
         responder.send(200, _encode({"status": "ready", "ready_replicas": dict(ready),
                                      "kv_event_streams": streams}))
 
-    def own_series(self) -> bytes:
-        """This ingress replica's series (its requests, queues, block maps), as of now."""
-        for pool in self._pools.values():
-            pool.service.record_metrics()
-        return generate_latest(self._registry)
-
     async def _metrics(self, responder: Responder) -> None:
         """Every ingress replica's series, each labelled `ingress` (see peers), then every pool
         replica's (see pool_metrics)."""
-        body = await self.peers.exposition() if self.peers is not None \
-            else merge({self._replica_id: self.own_series()})
+        body = await self._peers.exposition()
         try:
             reports = await self._directory.snapshot()
         except Exception:  # noqa: BLE001 - a scrape without pool series beats a failed scrape

@@ -61,13 +61,7 @@ class ReplicaDirectory:
 
     async def snapshot(self, timeout_s: float = 2.0) -> list[ReplicaReport]:
         """Every replica's latest report, read now (raises if the registry does not answer)."""
-        if self._registry is None:  # a named-actor lookup blocks: never on the loop
-            self._registry = await asyncio.to_thread(get_registry, self._app)
-        try:
-            return await asyncio.wait_for(self._registry.snapshot.remote(), timeout_s)
-        except ray.exceptions.RayError:
-            self._registry = None  # its owner went away: look it up (or create it) again
-            raise
+        return await self._call("snapshot", timeout_s)
 
     async def scaling(self, timeout_s: float = 2.0) -> list:
         return await self._call("scaling", timeout_s)
@@ -82,13 +76,14 @@ class ReplicaDirectory:
         await self._call("forget", timeout_s, replica_id)
 
     async def _call(self, method: str, timeout_s: float, *args: object):
-        if self._registry is None:
-            await self.snapshot(timeout_s)  # resolves the registry handle
+        """One registry method, within `timeout_s` (raises if the registry does not answer)."""
+        if self._registry is None:  # a named-actor lookup blocks: never on the loop
+            self._registry = await asyncio.to_thread(get_registry, self._app)
         try:
             return await asyncio.wait_for(getattr(self._registry, method).remote(*args),
                                           timeout_s)
         except ray.exceptions.RayError:
-            self._registry = None
+            self._registry = None  # its owner went away: look it up (or create it) again
             raise
 
     def poke(self) -> None:

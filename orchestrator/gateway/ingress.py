@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import ray
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -116,11 +116,17 @@ class Gateway:
                 next(p for name, p in self._pools.items() if roles[name] == "decode"),
                 topology_.disaggregation, transfers)
         gateway = topology_.gateway
-        admin = Admin(topology_.name, self._pools, self._directory, registry, replica_id,
-                      gateway.route_prefix, transfers, tenants.authenticate_admin)
-        self._peers = admin.peers = IngressPeers(replica_id, secret, admin.own_series,
-                                                 self._directory)
+
+        def own_series() -> bytes:
+            """This ingress replica's series (requests, queues, block maps), as of now."""
+            for pool in self._pools.values():
+                pool.service.record_metrics()
+            return generate_latest(registry)
+
+        self._peers = IngressPeers(replica_id, secret, own_series, self._directory)
         await self._peers.start(ray.util.get_node_ip_address())
+        admin = Admin(topology_.name, self._pools, self._directory, self._peers, replica_id,
+                      gateway.route_prefix, transfers, tenants.authenticate_admin)
         self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter)
         self._server = HttpServer(routes.handle, gateway.max_body_bytes)
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")

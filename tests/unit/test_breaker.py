@@ -9,14 +9,13 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.flows import UnifiedFlow
 from router.breaker import CircuitBreakers
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
-from tests.unit.replicas import SECRET, ScriptedReplica, Step
-from tests.unit.test_flows import BODY, DECODED, call, connected, run, serve
+from tests.unit.replicas import ScriptedReplica, Step
+from tests.unit.test_flows import BODY, DECODED, call, connected, pool, run, serve
 
 
 class Clock:
@@ -56,13 +55,7 @@ def test_a_replica_that_keeps_failing_stops_being_chosen_until_its_probe() -> No
         service = RoutingService("main", build_policy("round_robin"), lambda size: None,
                                  RouterMetrics(registry),
                                  breakers=CircuitBreakers(failures=2, window_s=30, open_s=0.5))
-
-        async def no_wake() -> None:
-            pass
-
-        main = PoolDispatcher("main", service, 64, SECRET, "gw", no_wake, ReplicaDirectory("t"),
-                              retries=2)
-        main.update([broken.report(), healthy.report()])
+        main = pool("main", broken, healthy, retries=2, service=service)
         await connected(main)
         for _ in range(8):
             assert (await serve(UnifiedFlow(main), call(BODY))).completion_tokens == 2
@@ -86,12 +79,7 @@ def test_with_every_breaker_open_the_pool_still_serves() -> None:
         flaky = await ScriptedReplica("r1", [Step("fail")], [Step("fail")], DECODED).start()
         service = RoutingService("main", build_policy("round_robin"), lambda size: None,
                                  breakers=CircuitBreakers(failures=2, window_s=30, open_s=60))
-
-        async def no_wake() -> None:
-            pass
-
-        main = PoolDispatcher("main", service, 64, SECRET, "gw", no_wake, ReplicaDirectory("t"))
-        main.update([flaky.report()])
+        main = pool("main", flaky, service=service)
         await connected(main)
         for _ in range(2):
             try:
@@ -115,13 +103,7 @@ def test_load_shedding_refuses_new_requests_when_every_engine_queue_is_full() ->
 
     async def scenario() -> None:
         replicas = [await ScriptedReplica(f"r{i}", DECODED).start() for i in range(2)]
-        service = RoutingService("main", build_policy("round_robin"), lambda size: None)
-
-        async def no_wake() -> None:
-            pass
-
-        main = PoolDispatcher("main", service, 64, SECRET, "gw", no_wake, ReplicaDirectory("t"),
-                              shed_waiting=4)
+        main = pool("main", *replicas, shed_waiting=4)
 
         def report(waiting: list[int]) -> None:
             main.update([msgspec.structs.replace(

@@ -60,14 +60,15 @@ class Client:
 
 
 def pool(name: str, *replicas: ScriptedReplica, policy: str = "round_robin",
-         max_ongoing: int = 64, wake=None, retries: int = 0) -> PoolDispatcher:
-    service = RoutingService(name, build_policy(policy), lambda size: None)
+         max_ongoing: int = 64, wake=None, retries: int = 0, service: RoutingService | None = None,
+         shed_waiting: int | None = None) -> PoolDispatcher:
+    service = service or RoutingService(name, build_policy(policy), lambda size: None)
 
     async def no_wake() -> None:
         pass
 
     dispatcher = PoolDispatcher(name, service, max_ongoing, SECRET, "gw", wake or no_wake,
-                                ReplicaDirectory("t"), retries)
+                                ReplicaDirectory("t"), retries, shed_waiting)
     dispatcher.update([r.report(name) for r in replicas])
     return dispatcher
 
