@@ -29,9 +29,10 @@ class ReplyFailed(Exception):
 class ReplyStream:
     """One request's reply as it arrives. `head` resolves to a Head, or to Refused when the
     replica did not take the request; `end` to the reply's Usage. Both fail with LinkLost or
-    ReplyFailed. Bytes go to the sink once one is attached, and are kept until then."""
+    ReplyFailed. Bytes go to the sink once one is attached, and are kept until then. `ids` are
+    the generated tokens of the bytes received so far (requests that track their tokens)."""
 
-    __slots__ = ("id", "_link", "head", "end", "_sink", "_kept")
+    __slots__ = ("id", "_link", "head", "end", "_sink", "_kept", "ids")
 
     def __init__(self, stream_id: int, link: ReplicaLink, loop: asyncio.AbstractEventLoop) -> None:
         self.id, self._link = stream_id, link
@@ -39,6 +40,7 @@ class ReplyStream:
         self.end: asyncio.Future[Usage] = loop.create_future()
         self._sink: Sink | None = None
         self._kept: list[tuple[bytes, bool]] = []
+        self.ids: list[int] = []
 
     @property
     def replica(self) -> str:
@@ -160,6 +162,10 @@ class ReplicaLink(asyncio.Protocol):
             return  # cancelled by us; the replica's last frames cross the CANCEL
         if kind == Kind.TOKEN or kind == Kind.DATA:
             stream._data(payload, kind == Kind.TOKEN)
+        elif kind == Kind.TOKENS:
+            tokens = frames.decode(Kind.TOKENS, payload)
+            stream.ids += tokens.ids
+            stream._data(tokens.chunk, True)
         elif kind == Kind.HEAD:
             stream.head.set_result(frames.decode(Kind.HEAD, payload))
         elif kind == Kind.END:

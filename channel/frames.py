@@ -7,12 +7,14 @@ Stream 0 is the connection itself (HELLO, HELD, STATE). A request's stream id is
 gateway, unique on its connection. Per request, the replica sends exactly one of:
 
     REFUSED                            not taken (draining, full): the gateway tries elsewhere
-    HEAD (DATA | TOKEN)* (END | FAILED)
+    HEAD (DATA | TOKEN | TOKENS)* (END | FAILED)
 
 DATA and TOKEN payloads are the reply's bytes exactly as the client gets them (a JSON body, or
 whole server-sent events); TOKEN marks bytes that carry generated tokens, so the gateway can time
-first tokens and gaps without parsing them. The other payloads are msgpack arrays (the structs
-below).
+first tokens and gaps without parsing them. A request that asked to `track_tokens` gets TOKENS
+instead of TOKEN: the same bytes together with the ids of the tokens they carry, so that the
+gateway knows, at any moment, exactly which tokens its client has (what a migration resumes
+from). The other payloads are msgpack arrays (the structs below).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Kind(IntEnum):
     REFUSED = 9  # replica -> gateway: Refused; nothing was started
     FAILED = 10  # replica -> gateway: Failed; the reply broke off (engine failure)
     STATE = 11  # replica -> gateway, stream 0: State
+    TOKENS = 12  # replica -> gateway: Tokens (TOKEN with the token ids, for track_tokens)
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
@@ -52,6 +55,11 @@ class Request(msgspec.Struct, array_like=True, frozen=True):
     endpoint: str  # "completions" or "chat"
     body: bytes  # the OpenAI request body, JSON
     usage_to_client: bool = True  # False: drop the stream's usage chunk, report it in END only
+    track_tokens: bool = False  # send TOKENS, not TOKEN: the ids with the bytes that carry them
+    # A continuation: the tokens this request already generated elsewhere (and its client has).
+    # The engine takes them as part of the prompt and generates the rest; the reply leaves out
+    # what was already sent (a chat stream's role chunk) and counts usage as one request would.
+    resume: tuple[int, ...] = ()
 
 
 class Head(msgspec.Struct, array_like=True, frozen=True):
@@ -66,6 +74,11 @@ class Usage(msgspec.Struct, array_like=True, frozen=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+
+
+class Tokens(msgspec.Struct, array_like=True, frozen=True):
+    chunk: bytes  # as in TOKEN
+    ids: list[int]  # the generated tokens it carries (possibly several, or none yet displayed)
 
 
 class Refused(msgspec.Struct, array_like=True, frozen=True):
@@ -89,7 +102,8 @@ class State(msgspec.Struct, array_like=True, frozen=True):
 encode = msgspec.msgpack.Encoder().encode
 _decoders = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in (
     (Kind.HELLO, Hello), (Kind.REQUEST, Request), (Kind.HELD, Held), (Kind.HEAD, Head),
-    (Kind.END, Usage), (Kind.REFUSED, Refused), (Kind.FAILED, Failed), (Kind.STATE, State))}
+    (Kind.END, Usage), (Kind.TOKENS, Tokens), (Kind.REFUSED, Refused), (Kind.FAILED, Failed),
+    (Kind.STATE, State))}
 
 
 class ProtocolError(Exception):

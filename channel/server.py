@@ -16,7 +16,7 @@ from functools import partial
 from typing import Protocol
 
 from channel import frames
-from channel.frames import Failed, Head, Kind, Refused, Request, State, Usage
+from channel.frames import Failed, Head, Kind, Refused, Request, State, Tokens, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ class Reply:
 
     def data(self, chunk: bytes, token: bool = False) -> None:
         self._connection.send(Kind.TOKEN if token else Kind.DATA, self._stream, chunk)
+
+    def tokens(self, chunk: bytes, ids: list[int]) -> None:
+        """Token-carrying bytes with the ids they carry (a request that tracks its tokens)."""
+        self._connection.send(Kind.TOKENS, self._stream, frames.encode(Tokens(chunk, ids)))
 
     def end(self, usage: Usage) -> None:
         self.done = True

@@ -24,7 +24,7 @@ from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
 from pools.cores import CoreClaim, claim_cores
-from pools.engine import Endpoint, EngineSpec, ReplyHead, openai_error
+from pools.engine import Endpoint, EngineSpec, ReplyHead, TokenTrace, openai_error
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
 from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
 from pools.usage import StreamMeter, usage_of, with_stream_usage
@@ -157,14 +157,18 @@ class PoolReplica:
     async def serve(self, request: Request, reply: Reply) -> None:
         """One request from a gateway: the engine's reply, relayed as it comes, then its usage."""
         body, keep_usage = with_stream_usage(msgspec.json.decode(request.body))
-        meter, streaming = StreamMeter(keep_usage), False
-        async for item in self._engine.reply(request.endpoint, body):
+        meter, streaming = StreamMeter(keep_usage, resumed=len(request.resume)), False
+        tracked = request.track_tokens
+        trace = TokenTrace(request.resume) if tracked or request.resume else None
+        async for item in self._engine.reply(request.endpoint, body, trace):
             if isinstance(item, ReplyHead):
                 streaming = item.streaming
                 reply.head(item.status, streaming, self._replica_id)
             elif streaming:
                 chunk, token = meter.feed(item)
-                if chunk:
+                if chunk and token and tracked:
+                    reply.tokens(chunk, trace.take())
+                elif chunk:
                     reply.data(chunk, token)
             else:
                 meter.usage = usage_of(item)  # zeros for an error body

@@ -5,7 +5,7 @@ Everything above `pools/` (gateway, router, request flow) sees engines only thro
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -39,6 +39,39 @@ class ReplyHead(msgspec.Struct, frozen=True):
     status: int
     streaming: bool
     replica_id: str = ""
+
+
+class TokenTrace:
+    """The generated tokens of one streamed request (one choice), as the engine produces them,
+    handed out only once the text they make has been produced too.
+
+    A token can be part of a character that a later token completes (byte-level vocabularies):
+    its text comes with that later token. A continuation must start after a token whose text
+    the client has in full, or the part-character would be lost between two engines: `take`
+    holds such tokens back until the text that completes them.
+
+    `resume` makes the request a continuation: those tokens were generated before (elsewhere)
+    and become part of its prompt; the engine generates what is left of `max_tokens`.
+    """
+
+    __slots__ = ("resume", "_ready", "_pending")
+
+    def __init__(self, resume: tuple[int, ...] = ()) -> None:
+        self.resume = resume
+        self._ready: list[int] = []
+        self._pending: list[int] = []
+
+    def add(self, ids: Iterable[int], text: str) -> None:
+        """One engine step's tokens and the text it produced (empty: their text is pending)."""
+        self._pending.extend(ids)
+        if text:
+            self._ready += self._pending
+            self._pending = []
+
+    def take(self) -> list[int]:
+        """The tokens whose text was produced since the last call."""
+        ids, self._ready = self._ready, []
+        return ids
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -88,7 +121,9 @@ class Engine(Protocol):
 
     `reply` yields a ReplyHead then bytes (see ReplyHead). Closing the iterator early (client gone)
     aborts the engine request. Errors caused by the request come back as 4xx replies, never raised;
-    a dead engine raises EngineDeadError.
+    a dead engine raises EngineDeadError. With a `trace`, the engine adds each step's generated
+    tokens and text to it before it yields the bytes that carry them, and resumes from
+    `trace.resume`.
     """
 
     block_size: int  # the KV cache's block size in tokens, once started (0 before)
@@ -97,7 +132,8 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]: ...
+    def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None
+              ) -> AsyncIterator[ReplyHead | bytes]: ...
 
     async def check_health(self) -> None: ...
 

@@ -3,6 +3,11 @@
 Streams always ask the engine for a final usage chunk (`stream_options.include_usage`); when the
 client did not ask for it, the replica drops that chunk before it leaves, so the client sees what
 it asked for and the gateway still learns the usage.
+
+A resumed stream (a request continued here after another replica failed mid-stream) is read the
+same way, with two corrections that make it look like one uninterrupted reply: a chat stream's
+opening role chunk is dropped (the client has it), and the tokens generated before, which the
+engine counted as prompt, are counted as completion.
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ class _Usage(msgspec.Struct):
     completion_tokens: int = 0
     prompt_tokens_details: _Details | None = None
 
-    def wire(self) -> Usage:
+    def wire(self, resumed: int = 0) -> Usage:
         details = self.prompt_tokens_details
         cached = (details.cached_tokens or 0) if details is not None else 0
-        return Usage(self.prompt_tokens, self.completion_tokens, cached)
+        prompt = self.prompt_tokens - resumed
+        return Usage(prompt, self.completion_tokens + resumed, min(cached, prompt))
 
 
 class _Delta(msgspec.Struct):
     role: str | None | UnsetType = UNSET
+    content: str | None | UnsetType = UNSET
 
 
 class _Choice(msgspec.Struct):
@@ -66,12 +73,13 @@ def with_stream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 
 
 class StreamMeter:
-    """Reads one stream's server-sent events as they pass: which carry tokens, and the usage."""
+    """Reads one stream's server-sent events as they pass: which carry tokens, and the usage.
+    `resumed`: the number of tokens a resumed stream's engine took as prompt (see above)."""
 
-    __slots__ = ("_keep_usage", "usage")
+    __slots__ = ("_keep_usage", "_resumed", "usage")
 
-    def __init__(self, keep_usage: bool) -> None:
-        self._keep_usage = keep_usage
+    def __init__(self, keep_usage: bool, resumed: int = 0) -> None:
+        self._keep_usage, self._resumed = keep_usage, resumed
         self.usage = Usage()
 
     def feed(self, item: bytes) -> tuple[bytes, bool]:
@@ -96,11 +104,33 @@ class StreamMeter:
             reply = _decoder.decode(data)
         except msgspec.DecodeError:
             return event, False  # not ours to judge: relay as is
+        choices = reply.choices or ()
         if reply.usage is not None:
-            self.usage = reply.usage.wire()
-            if not reply.choices:  # the final usage chunk
-                return (event if self._keep_usage else b""), False
-        return event, any(_has_token(choice) for choice in reply.choices or ())
+            self.usage = reply.usage.wire(self._resumed)
+            if not choices:  # the final usage chunk
+                return (self._relayed_usage(event, data) if self._keep_usage else b""), False
+            event = self._relayed_usage(event, data)  # continuous usage stats
+        if self._resumed and any(_opens_chat(choice) for choice in choices):
+            return b"", False
+        return event, any(_has_token(choice) for choice in choices)
+
+    def _relayed_usage(self, event: bytes, data: bytes) -> bytes:
+        if not self._resumed:
+            return event
+        reply = msgspec.json.decode(data)
+        usage = reply["usage"]
+        usage["prompt_tokens"] -= self._resumed
+        usage["completion_tokens"] += self._resumed
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens"):
+            details["cached_tokens"] = min(details["cached_tokens"], usage["prompt_tokens"])
+        return b"data: " + msgspec.json.encode(reply) + b"\n\n"
+
+
+def _opens_chat(choice: _Choice) -> bool:
+    """A chat stream's first chunk: the role, and no content."""
+    delta = choice.delta
+    return isinstance(delta, _Delta) and isinstance(delta.role, str) and not delta.content
 
 
 def _has_token(choice: _Choice) -> bool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 from argparse import Namespace
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 
 from autoscaler.signals import ReplicaSignals, Window
 from tokenfab.errors import EngineDeadError
-from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, openai_error
+from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
 
 SIGNAL_WINDOW_S = 10.0  # latencies and token rates the autoscaler sees are over this window
 
@@ -183,6 +184,57 @@ def _field_names(model: type) -> frozenset[str]:
     return _FIELDS[model]
 
 
+_ERROR_EVENT = 'data: {"error"'  # how vLLM's serving layer ends a stream that failed
+
+# The trace of the request being served, seen by `_traced` below the serving layer. Each request
+# runs in a task of its own (the channel's, or Serve's), so a value set there is its own.
+_TRACE: ContextVar[TokenTrace | None] = ContextVar("tokenfab_token_trace", default=None)
+
+
+def _traced(generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """`AsyncLLM.generate` as vLLM's serving layer calls it, with the request's TokenTrace: it
+    sees every output before the serving layer turns it into bytes. Untraced requests get the
+    engine's own generator."""
+
+    def generate_traced(prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
+                        ) -> AsyncIterator[Any]:
+        trace = _TRACE.get()
+        if trace is None:
+            return generate(prompt, params, request_id, *args, **kwargs)
+        if trace.resume:
+            prompt, params = _resumed(prompt, params, trace.resume)
+        return _follow(generate(prompt, params, request_id, *args, **kwargs), trace)
+
+    return generate_traced
+
+
+async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace) -> AsyncIterator[Any]:
+    try:
+        async for output in outputs:  # DELTA outputs: the tokens and text are this step's
+            choice = output.outputs[0]
+            trace.add(choice.token_ids, choice.text)
+            yield output
+    finally:
+        await outputs.aclose()  # aborts the engine request if the client left
+
+
+def _resumed(prompt: Any, params: Any, resume: tuple[int, ...]) -> tuple[Any, Any]:
+    """The rendered prompt followed by the tokens generated before, and the sampling parameters
+    for what is left: the same request, continued."""
+    if not isinstance(prompt, dict) or prompt.get("type") != "token":
+        raise ValueError("only a prompt of token ids can be resumed")
+    params = params.clone()
+    params.max_tokens -= len(resume)
+    if params.max_tokens < 1:
+        raise ValueError("a resumed request has no tokens left to generate")
+    if params.min_tokens:
+        params.min_tokens = max(0, params.min_tokens - len(resume))
+    prompt = {key: value for key, value in prompt.items()
+              if key not in ("prompt", "prompt_token_offsets")}  # text no longer matches the ids
+    prompt["prompt_token_ids"] = [*prompt["prompt_token_ids"], *resume]
+    return prompt, params
+
+
 class VllmEngine:
     """Implements pools.engine.Engine with vLLM's AsyncLLM and its OpenAI serving classes."""
 
@@ -220,6 +272,7 @@ class VllmEngine:
             stat_loggers=[self._recorder.factory, RayPrometheusStatLogger],
             disable_log_stats=False,
         )
+        self._llm.generate = _traced(self._llm.generate)  # what the serving classes will call
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
         self.kv_blocks = vllm_config.cache_config.num_gpu_blocks or 0  # set by the engine core
         args = Namespace(**(vars(frontend) | vars(engine_args)))
@@ -231,7 +284,8 @@ class VllmEngine:
         self._error_type = ErrorResponse
         self._client_error = (VLLMClientError,)
 
-    async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
+    async def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None
+                    ) -> AsyncIterator[ReplyHead | bytes]:
         unknown = sorted(body.keys() - _field_names(self._requests[endpoint]))
         try:
             if unknown:  # as OpenAI does; vLLM alone would ignore them silently
@@ -248,6 +302,7 @@ class VllmEngine:
             yield msgspec.json.encode(openai_error(400, message, param))
             return
         serving = self._serving[endpoint]
+        _TRACE.set(trace)
         create = serving.create_completion if endpoint == "completions" else serving.create_chat_completion
         try:
             result = await create(request, raw_request=None)
@@ -261,6 +316,10 @@ class VllmEngine:
         if hasattr(result, "__aiter__"):
             yield ReplyHead(200, streaming=True)
             async for chunk in result:
+                if chunk.startswith(_ERROR_EVENT) and self.dead:
+                    # vLLM's stream reports its dead engine as an event; the replica fails the
+                    # request instead, so the gateway can continue it elsewhere
+                    raise EngineDeadError(f"engine for {self.spec.model_name} died mid-stream")
                 yield chunk.encode()
             return
         if isinstance(result, self._error_type):  # every error carries all four OpenAI keys
