@@ -230,8 +230,13 @@ class GatewaySpec(_Strict):
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline for one request.")
     retries: int = Field(
         2, ge=0, description="Times a request goes to another replica of its pool when the one "
-        "it was on failed (engine dead, replica gone) before any byte of the answer reached the "
-        "client; within the request's deadline, charged once.")
+        "it was on failed (engine dead, replica gone): before any byte of the answer reached the "
+        "client, within the request's deadline; after, as a continuation of its stream (see "
+        "migrate). Charged once.")
+    migrate: bool = Field(
+        True, description="Continue a stream whose replica failed after tokens reached the "
+        "client on another replica, from the tokens the client has (one stream, usage as one "
+        "request). Streams carry their token ids from replica to gateway for this.")
     max_body_bytes: ByteSize = Field(1_048_576, description="Largest accepted request body.")
 
     @field_validator("max_body_bytes", mode="before")

@@ -43,6 +43,12 @@ class RouterMetrics:
             "Requests whose replica failed or went away before answering them (each was sent to "
             "another replica, or answered 503 when none was left to try)", ["pool", "replica"],
             registry=registry)
+        self.migrations = Counter(
+            "tokenfab_router_migrations",
+            "Streams whose replica failed after tokens reached the client, by outcome: resumed "
+            "on another replica, or ended in-stream (not_resumable: the request cannot be "
+            "continued; exhausted: no retry or replica left; failed: the continuation failed)",
+            ["pool", "outcome"], registry=registry)
         self.breaker_trips = Counter(
             "tokenfab_router_breaker_trips",
             "Times a replica's circuit breaker opened (router.breaker)", ["pool", "replica"],

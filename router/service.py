@@ -116,6 +116,11 @@ class RoutingService:
     def finished(self, request_id: str) -> None:
         self._tracker.finished(request_id)
 
+    def migration(self, outcome: str) -> None:
+        """A stream lost its replica after sending tokens (see RouterMetrics.migrations)."""
+        if self._metrics is not None:
+            self._metrics.migrations.labels(self.pool, outcome).inc()
+
     def failed(self, replica: ReplicaId) -> None:
         """A request on `replica` failed before it was answered (engine dead, replica gone);
         enough of them open its circuit breaker."""

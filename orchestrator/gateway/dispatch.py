@@ -119,12 +119,13 @@ class PoolDispatcher:
     def __init__(self, pool: str, service: RoutingService, max_ongoing_requests: int,
                  secret: bytes, gateway: str, wake: Callable[[], Awaitable[None]],
                  directory: ReplicaDirectory, retries: int = 0,
-                 shed_waiting: int | None = None) -> None:
-        self.pool, self.service, self.retries = pool, service, retries
+                 shed_waiting: int | None = None, migrate: bool = True) -> None:
+        self.pool, self.service, self.retries, self.migrate = pool, service, retries, migrate
         self._shed_waiting = shed_waiting
         self._max_ongoing, self._secret, self._gateway = max_ongoing_requests, secret, gateway
         self._wake, self._directory = wake, directory
         self._links: dict[ReplicaId, ReplicaLink] = {}
+        self._retiring: dict[ReplicaId, ReplicaLink] = {}  # unlisted, with requests still on them
         self._changed: asyncio.Future | None = None
         self._held = 0
         self._held_report: asyncio.TimerHandle | None = None
@@ -141,10 +142,21 @@ class PoolDispatcher:
     # -- replicas -----------------------------------------------------------------------------
 
     def update(self, reports: Sequence[ReplicaReport]) -> None:
-        """The pool's replicas as the registry reports them now."""
+        """The pool's replicas as the registry reports them now.
+
+        A replica that is no longer reported ready (draining, failed, gone; or the registry was
+        restarted and has not heard from it yet) gets no new request, but its link stays open
+        while requests are on it: they end by themselves, or fail (and are retried or continued)
+        when its connection breaks. What the registry says never cuts a reply short.
+        """
         ready = {ReplicaId(r.replica_id): r for r in reports if r.state == "ready" and r.channel}
         for replica in [r for r in self._links if r not in ready]:
-            self._links.pop(replica).close()
+            self._retiring[replica] = self._links.pop(replica)
+        for replica, link in list(self._retiring.items()):
+            if replica in ready and link.state != "closed":
+                self._links[replica] = self._retiring.pop(replica)  # reported again
+            elif replica in ready or not link.open_streams:
+                self._retiring.pop(replica).close()
         for replica, report in ready.items():
             link = self._links.get(replica)
             if link is None or (link.state == "closed" and link.closed_for_s() > RECONNECT_S):
@@ -277,9 +289,10 @@ class PoolDispatcher:
             link.send_held(self._held)
 
     def close(self) -> None:
-        for link in self._links.values():
+        for link in [*self._links.values(), *self._retiring.values()]:
             link.close()
         self._links.clear()
+        self._retiring.clear()
         self.service.stop()
 
 

@@ -24,7 +24,8 @@ from channel.client import LinkLost, ReplyFailed, ReplyStream
 from channel.frames import Request, Usage
 from orchestrator.gateway.dispatch import PoolDispatcher
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
-from orchestrator.gateway.relay import Call, relay
+from orchestrator.gateway.migration import continuation_body, not_resumable
+from orchestrator.gateway.relay import Call, TokenClock, end_in_stream, relay
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.params import decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
@@ -59,26 +60,51 @@ def _keys(pools: Mapping[str, PoolDispatcher], request_id: str, tokens: list[int
 
 async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, Any]
                ) -> Usage | None:
-    """One pool's part of the call. A replica that fails before any byte reached the client
-    (its engine died, it went away) is left out and the request goes to another, up to
-    `pool.retries` times within the call's deadline; after the first byte a failure is the
-    client's to see."""
-    request, failed = Request(call.endpoint, _encode(body)), set()
+    """One pool's part of the call. A replica that fails is left out and the request goes to
+    another, up to `pool.retries` times: before any byte reached the client, the request itself;
+    after, a continuation of its stream from the tokens the client has (gateway.migration), when
+    the request can be continued. Otherwise the client gets the error: as the answer, or as the
+    stream's last event."""
+    resumable = pool.migrate and not_resumable(call.endpoint, body) is None
+    if resumable and "request_id" not in body:
+        body = body | {"request_id": call.request_id}  # chunk ids stay the same when continued
+    request = Request(call.endpoint, _encode(body), track_tokens=resumable)
+    clock = TokenClock(call, lambda: pool.service.first_token(key.request_id))
+    failed: set[str] = set()
+    sent: list[int] = []  # the tokens the client has
     while True:
         try:
-            stream, head = await pool.open(request, key, call.deadline, frozenset(failed))
+            deadline = time.monotonic() + call.timeout_s if request.resume else call.deadline
+            stream, head = await pool.open(request, key, deadline, frozenset(failed))
             call.reached_engine = True
             try:
-                return await relay(call, stream, head,
-                                   lambda: pool.service.first_token(key.request_id))
+                return await relay(call, stream, head, clock)
             finally:
                 pool.finished(key)
+                sent += stream.ids
         except ReplicaFailed as exc:
             pool.service.failed(exc.replica)
             failed.add(exc.replica)
-            if call.responder.started or len(failed) > pool.retries \
-                    or not pool.has_replicas_besides(failed):
+            retry = len(failed) <= pool.retries and pool.has_replicas_besides(failed)
+            if not call.responder.started:
+                if retry:
+                    continue
                 raise
+            if resumable and retry:
+                pool.service.migration("resumed")
+                request = Request(call.endpoint, _encode(continuation_body(body)),
+                                  track_tokens=True, resume=tuple(sent))
+                continue
+            pool.service.migration("exhausted" if resumable else "not_resumable")
+            end_in_stream(call, exc)
+            return None
+        except GatewayError as exc:
+            if not call.responder.started:
+                raise
+            if request.resume:
+                pool.service.migration("failed")
+            end_in_stream(call, exc)
+            return None
 
 
 class UnifiedFlow:

@@ -98,7 +98,8 @@ class Gateway:
         self._pools = {pool.name: PoolDispatcher(
             pool.name, routing_service(topology_, pool, router_metrics, credentials),
             pool.max_ongoing_requests, secret, replica_id, _waker(pools[pool.name]),
-            self._directory, topology_.gateway.retries, pool.shed_waiting)
+            self._directory, topology_.gateway.retries, pool.shed_waiting,
+            topology_.gateway.migrate)
             for pool in topology_.pools}
         if any(p.service.policy.uses_prefixes for p in self._pools.values()):
             # vLLM's hashing functions: a first request must not pay for importing vLLM (seconds)

@@ -45,15 +45,20 @@ class Call:
         return {"x-request-id": self.request_id, "x-tokenfab-replica": replica}
 
 
-async def relay(call: Call, stream: ReplyStream, head: Head,
-                on_first_token: Callable[[], None] | None = None) -> Usage | None:
-    """Answer `call` with the reply whose head came; its usage (None if it broke off)."""
+async def relay(call: Call, stream: ReplyStream, head: Head, clock: TokenClock) -> Usage:
+    """Answer `call` with the reply whose head came, and return its usage. A reply that breaks
+    off raises GatewayError (ReplicaFailed when its replica failed): what happens then is the
+    flow's choice, by whether the client got anything yet (`call.responder.started`). A stream
+    already started goes on with the reply of a continuation (see gateway.migration)."""
     call.replica = head.replica_id
+    responder = call.responder
     if not head.streaming:
         usage = await _end(stream, call.timeout_s)
-        call.responder.send(head.status, stream.body(), call.headers(head.replica_id))
+        if responder.started:  # a continuation, refused
+            raise GatewayError(head.status, "the stream could not be continued on another "
+                               f"replica: {stream.body()[:200].decode(errors='replace')}")
+        responder.send(head.status, stream.body(), call.headers(head.replica_id))
         return usage
-    responder, clock = call.responder, _TokenClock(call, on_first_token)
     headers = call.headers(head.replica_id)
 
     def sink(chunk: bytes, token: bool) -> None:
@@ -62,21 +67,23 @@ async def relay(call: Call, stream: ReplyStream, head: Head,
         responder.write(chunk)
         clock.tick(token)
 
+    clock.touch()
     stream.attach(sink)
-    try:
-        usage = await _end(stream, call.timeout_s, clock)
-    except GatewayError as exc:
-        if not responder.started:
-            raise  # nothing was sent: the flow may send the request elsewhere, or answer it
-        responder.write(exc.sse())  # headers are sent: report the failure in-stream
-        call.stream_error, usage = exc.status, None
+    usage = await _end(stream, call.timeout_s, clock)
     if not responder.started:
         responder.start_stream(head.status, headers)
     responder.end_stream()
     return usage
 
 
-async def _end(stream: ReplyStream, timeout_s: float, clock: _TokenClock | None = None
+def end_in_stream(call: Call, error: GatewayError) -> None:
+    """End a started stream with `error` as its last event (its headers said 200)."""
+    call.responder.write(error.sse())
+    call.stream_error = error.status
+    call.responder.end_stream()
+
+
+async def _end(stream: ReplyStream, timeout_s: float, clock: TokenClock | None = None
                ) -> Usage:
     """The reply's usage once it ended; waits while it keeps sending (a gap over `timeout_s`
     is a timeout)."""
@@ -102,14 +109,19 @@ async def _end(stream: ReplyStream, timeout_s: float, clock: _TokenClock | None 
         raise
 
 
-class _TokenClock:
-    """Times the token-carrying frames of a stream, as they reach the client."""
+class TokenClock:
+    """Times the token-carrying frames of a stream as they reach the client, whichever replicas
+    they come from."""
 
     __slots__ = ("_call", "_on_first", "_last_token", "last_activity")
 
     def __init__(self, call: Call, on_first_token: Callable[[], None] | None) -> None:
         self._call, self._on_first = call, on_first_token
         self._last_token: float | None = None
+        self.last_activity = time.monotonic()
+
+    def touch(self) -> None:
+        """A reply starts: its deadline runs from now."""
         self.last_activity = time.monotonic()
 
     def tick(self, token: bool) -> None:

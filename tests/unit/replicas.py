@@ -22,11 +22,12 @@ SECRET = b"s" * 32
 class Step:
     """One thing a scripted replica does while serving a request."""
 
-    kind: str  # head, data, token, end, fail, hang, raise
+    kind: str  # head, data, token, end, fail, hang, raise, sleep (float(payload) seconds)
     status: int = 200
     streaming: bool = False
     payload: bytes = b""
     usage: Usage = field(default_factory=Usage)
+    ids: list[int] = field(default_factory=list)  # the token ids a token step carries
 
 
 def whole(status: int, body: dict[str, Any], usage: Usage = Usage()) -> list[Step]:
@@ -34,8 +35,10 @@ def whole(status: int, body: dict[str, Any], usage: Usage = Usage()) -> list[Ste
             Step("end", usage=usage)]
 
 
-def streamed(*tokens: bytes, usage: Usage = Usage()) -> list[Step]:
-    return ([Step("head", 200, streaming=True)] + [Step("token", payload=t) for t in tokens]
+def streamed(*tokens: bytes, usage: Usage = Usage(), first_id: int = 1) -> list[Step]:
+    """A stream whose token chunks carry one token each, ids counting from `first_id`."""
+    return ([Step("head", 200, streaming=True)]
+            + [Step("token", payload=t, ids=[first_id + i]) for i, t in enumerate(tokens)]
             + [Step("data", payload=b"data: [DONE]\n\n"), Step("end", usage=usage)])
 
 
@@ -47,6 +50,7 @@ class ScriptedReplica:
                  state: str = "ready") -> None:
         self.name, self.scripts, self.capacity, self.state = name, list(scripts), capacity, state
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.received: list[Request] = []  # as they came, with their channel fields
         self.outcomes: list[str] = []
         self.in_flight = 0
         self.server = ChannelServer(SECRET, self)
@@ -74,12 +78,15 @@ class ScriptedReplica:
 
     async def serve(self, request: Request, reply: Reply) -> None:
         self.requests.append((request.endpoint, json.loads(request.body)))
+        self.received.append(request)
         script = self.scripts[0] if len(self.scripts) == 1 else self.scripts.pop(0)
         try:
             for step in script:
                 await asyncio.sleep(0)
                 if step.kind == "head":
                     reply.head(step.status, step.streaming, self.name)
+                elif step.kind == "token" and request.track_tokens:
+                    reply.tokens(step.payload, step.ids)
                 elif step.kind in ("data", "token"):
                     reply.data(step.payload, step.kind == "token")
                 elif step.kind == "end":
@@ -88,6 +95,8 @@ class ScriptedReplica:
                     reply.failed("engine died")
                 elif step.kind == "hang":
                     await asyncio.sleep(3600)
+                elif step.kind == "sleep":
+                    await asyncio.sleep(float(step.payload))
                 elif step.kind == "raise":
                     raise RuntimeError("engine bug")
             self.outcomes.append("done")

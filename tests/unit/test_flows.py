@@ -26,6 +26,7 @@ from kvtransfer.metrics import TransferMetrics
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from kvtransfer.params import REMOTE_DECODE, decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
+from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
 from tests.unit.replicas import SECRET, ScriptedReplica, Step, streamed, whole
@@ -61,14 +62,14 @@ class Client:
 
 def pool(name: str, *replicas: ScriptedReplica, policy: str = "round_robin",
          max_ongoing: int = 64, wake=None, retries: int = 0, service: RoutingService | None = None,
-         shed_waiting: int | None = None) -> PoolDispatcher:
+         shed_waiting: int | None = None, migrate: bool = True) -> PoolDispatcher:
     service = service or RoutingService(name, build_policy(policy), lambda size: None)
 
     async def no_wake() -> None:
         pass
 
     dispatcher = PoolDispatcher(name, service, max_ongoing, SECRET, "gw", wake or no_wake,
-                                ReplicaDirectory("t"), retries, shed_waiting)
+                                ReplicaDirectory("t"), retries, shed_waiting, migrate)
     dispatcher.update([r.report(name) for r in replicas])
     return dispatcher
 
@@ -121,7 +122,8 @@ def test_unified_request_is_placed_relayed_and_its_usage_returned() -> None:
         assert body == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
         assert usage == Usage(500, 2, 0)
         assert request.first_token_s is not None and len(request.gaps) == 1
-        assert replica.requests == [("completions", BODY)]
+        # the engine names the stream's chunks after the request id (kept if continued)
+        assert replica.requests == [("completions", BODY | {"request_id": "req-1"})]
         assert main.service.in_flight("r1") == 0  # finished: counted off again
         assert request.reached_engine and request.stream_error is None
     run(scenario())
@@ -192,18 +194,144 @@ def test_no_retry_left_answers_503_at_once(retries: int, replicas: int) -> None:
     run(scenario())
 
 
-def test_a_replica_that_fails_after_bytes_were_sent_ends_the_stream_in_band() -> None:
-    """Bytes reached the client: no retry (that is migration), an in-stream error instead."""
+@pytest.mark.parametrize("migrate, body", [
+    (False, BODY),  # migration switched off
+    (True, BODY | {"stop": ["\n"]}),  # text held back for the stop string would be lost
+    (True, BODY | {"n": 2}),  # the ids are one choice's
+], ids=["migrate_off", "stop_strings", "several_choices"])
+def test_a_stream_that_cannot_be_continued_ends_in_band(migrate: bool, body: dict) -> None:
+    """Bytes reached the client and the request cannot be continued: an in-stream error."""
     async def scenario() -> None:
         broken = await ScriptedReplica("r1", FAILS_AFTER_BYTES).start()
         healthy = await ScriptedReplica("r2", DECODED).start()
-        main = pool("main", broken, healthy, retries=2)
+        main = pool("main", broken, healthy, retries=2, migrate=migrate, service=counted())
+        await connected(main)
+        request = call(body)
+        assert await serve(UnifiedFlow(main), request) is None
+        status, headers, body_ = request.responder._connection.response()
+        assert (status, headers["x-tokenfab-replica"], request.stream_error) == (200, "r1", 503)
+        assert body_.startswith(b"data: 1\n\ndata: {\"error\"") and healthy.requests == []
+        assert not broken.received[0].track_tokens  # nothing to track: no ids on the wire
+        assert migrations(main) == {"not_resumable": 1}
+    run(scenario())
+
+
+def with_id(body: dict[str, Any]) -> dict[str, Any]:
+    """The body as a replica gets it: a stream that can be continued names its chunks."""
+    return body if body.get("n") else body | {"request_id": "req-1"}
+
+
+def counted() -> RoutingService:
+    return RoutingService("main", build_policy("round_robin"), lambda size: None,
+                          metrics=RouterMetrics(CollectorRegistry()))
+
+
+def migrations(main: PoolDispatcher) -> dict[str, float]:
+    counter = main.service._metrics.migrations
+    return {sample.labels["outcome"]: sample.value for metric in counter.collect()
+            for sample in metric.samples if sample.name.endswith("_total")}
+
+
+BROKEN_AT_2 = streamed(b"data: a\n\n", b"data: b\n\n")[:3] + [Step("fail")]  # tokens 1, 2
+
+
+@pytest.mark.parametrize("body", [BODY, BODY | {"echo": True, "prompt_logprobs": 2}])
+def test_a_stream_whose_replica_fails_is_continued_on_another_from_the_tokens_sent(
+        body: dict) -> None:
+    """The client sees one stream: r1's tokens, then r2's continuation, which resumes from the
+    ids of exactly the tokens the client got; the usage is the continuation's (one request)."""
+    async def scenario() -> None:
+        broken = await ScriptedReplica("r1", BROKEN_AT_2).start()
+        rest = streamed(b"data: c\n\n", usage=Usage(500, 3, 0), first_id=3)
+        healthy = await ScriptedReplica("r2", rest).start()
+        main = pool("main", broken, healthy, retries=1, service=counted())
+        await connected(main)
+        request = call(body)
+        assert await serve(UnifiedFlow(main), request) == Usage(500, 3, 0)
+        status, headers, sent = request.responder._connection.response()
+        assert (status, headers["x-tokenfab-replica"], request.stream_error) == (200, "r1", None)
+        assert sent == b"data: a\n\ndata: b\n\ndata: c\n\ndata: [DONE]\n\n"
+        first, = broken.received
+        continued, = healthy.received
+        assert first.track_tokens and first.resume == ()
+        assert continued.track_tokens and continued.resume == (1, 2)
+        original = json.loads(first.body)
+        assert original["request_id"] == "req-1"  # the chunk ids stay the same on r2
+        assert json.loads(continued.body) == {key: value for key, value in original.items()
+                                              if key not in ("echo", "prompt_logprobs")}
+        assert len(request.gaps) == 2 and request.first_token_s is not None  # one clock
+        assert migrations(main) == {"resumed": 1}
+    run(scenario())
+
+
+def test_a_continuation_that_fails_too_continues_from_all_tokens_sent_so_far() -> None:
+    async def scenario() -> None:
+        r1 = await ScriptedReplica("r1", BROKEN_AT_2).start()
+        # whichever of r2 and r3 gets the first continuation fails after one more token
+        r2, r3 = ScriptedReplica("r2", streamed(b"data: c\n\n", first_id=3)[:2] + [Step("fail")],
+                                 streamed(b"data: d\n\n", usage=Usage(500, 4, 0), first_id=4)
+                                 ), ScriptedReplica("r3")
+        r3.scripts = r2.scripts
+        await r2.start(), await r3.start()
+        main = pool("main", r1, r2, r3, retries=2)
+        await connected(main)
+        request = call(BODY)
+        assert await serve(UnifiedFlow(main), request) == Usage(500, 4, 0)
+        assert request.responder._connection.response()[2] == (
+            b"data: a\n\ndata: b\n\ndata: c\n\ndata: d\n\ndata: [DONE]\n\n")
+        assert r1.received[0].resume == ()
+        assert sorted(r.resume for r in r2.received + r3.received) == [(1, 2), (1, 2, 3)]
+    run(scenario())
+
+
+@pytest.mark.parametrize("retries, continuation, outcome", [
+    (1, None, "exhausted"),  # r2 fails the continuation too, and no retry is left
+    (2, [Step("head", 400), Step("data", payload=b'{"error": "no"}'), Step("end")], "failed"),
+], ids=["no_retry_left", "continuation_refused"])
+def test_a_stream_that_could_not_be_continued_ends_in_band(
+        retries: int, continuation: list[Step] | None, outcome: str) -> None:
+    async def scenario() -> None:
+        r1 = await ScriptedReplica("r1", BROKEN_AT_2).start()
+        r2 = await ScriptedReplica("r2", continuation or BROKEN_AT_2).start()
+        main = pool("main", r1, r2, retries=retries, service=counted())
         await connected(main)
         request = call(BODY)
         assert await serve(UnifiedFlow(main), request) is None
-        status, headers, body = request.responder._connection.response()
-        assert (status, headers["x-tokenfab-replica"], request.stream_error) == (200, "r1", 503)
-        assert body.startswith(b"data: 1\n\ndata: {\"error\"") and healthy.requests == []
+        status, _, sent = request.responder._connection.response()
+        assert status == 200 and sent.startswith(b"data: a\n\ndata: b\n\n")
+        assert b'data: {"error"' in sent and request.stream_error in (400, 503)
+        assert migrations(main) == {"resumed": 1, outcome: 1}
+    run(scenario())
+
+
+def test_a_replica_the_registry_stops_listing_finishes_the_replies_it_has() -> None:
+    """The registry stops listing a replica (it drains, or the registry itself restarted and has
+    not heard from it yet): it gets no new request, but the stream on it is not cut; its link
+    closes once that stream ended."""
+    async def scenario() -> None:
+        slow = streamed(b"data: a\n\n", b"data: b\n\n")
+        slow.insert(2, Step("sleep", payload=b"0.3"))
+        r1 = await ScriptedReplica("r1", slow).start()
+        main = pool("main", r1)
+        await connected(main)
+        request = call(BODY)
+        serving = asyncio.create_task(serve(UnifiedFlow(main), request))
+        while not request.responder.started:
+            await asyncio.sleep(0.01)
+        main.update([])  # r1 is not listed any more
+        assert main.ready_replicas() == 0 and not main.has_replicas_besides(set())
+        await serving
+        assert request.responder._connection.response()[2] == (
+            b"data: a\n\ndata: b\n\ndata: [DONE]\n\n")
+        link = main._retiring["r1"]
+        assert link.state == "ready"
+        main.update([])
+        assert not main._retiring  # closed once idle
+        while link.state != "closed":
+            await asyncio.sleep(0.01)
+        with pytest.raises(GatewayError) as info:  # and nothing new goes there
+            await serve(UnifiedFlow(main), call(BODY, timeout_s=0.3))
+        assert info.value.status == 503 and len(r1.requests) == 1
     run(scenario())
 
 
@@ -216,7 +344,8 @@ def test_long_prompt_is_prefilled_then_decoded_with_the_params() -> None:
         assert prefill.requests == [("completions", {"model": "tiny", "prompt": "x",
                                                       "max_tokens": 1,
                                                       "kv_transfer_params": REMOTE_DECODE})]
-        assert decode.requests == [("completions", BODY | {"kv_transfer_params": PARAMS})]
+        assert decode.requests == [("completions", BODY | {"kv_transfer_params": PARAMS,
+                                                           "request_id": "req-1"})]
         assert dict(flow.metrics.tally) == {"requests_disaggregated": 1}
     run(scenario())
 
@@ -230,7 +359,7 @@ def test_requests_that_skip_the_prefill_pool(tokens: int | None, body: dict, rea
     async def scenario() -> None:
         flow, prefill, decode = await pd([whole(200, {})])
         await serve(flow, call(body, tokens))
-        assert prefill.requests == [] and decode.requests == [("completions", body)]
+        assert prefill.requests == [] and decode.requests == [("completions", with_id(body))]
         assert dict(flow.metrics.tally) == {reason: 1, "requests_decode_only": 1}
     run(scenario())
 
@@ -247,7 +376,7 @@ def test_failed_prefill_falls_back_to_decode_recompute(script: list[Step], reaso
     async def scenario() -> None:
         flow, prefill, decode = await pd([script])
         assert await serve(flow, call(BODY)) == Usage(500, 2, 0)
-        assert decode.requests == [("completions", BODY)]  # no kv_transfer_params: recompute
+        assert decode.requests == [("completions", with_id(BODY))]  # no kv_transfer_params
         assert dict(flow.metrics.tally) == {reason: 1, "fallbacks": 1, "requests_decode_only": 1}
         await asyncio.sleep(0.05)
         assert prefill.in_flight == 0  # a prefill leg that hung was cancelled on the replica

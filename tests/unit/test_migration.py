@@ -1,0 +1,145 @@
+"""The parts of mid-stream migration below the gateway's flow (tests/unit/test_flows.py has the
+flow; tests/integration/test_migration.py kills real engines): which requests can be continued,
+the continuation's body, the replica's reading of a resumed stream, and the engine adapter's
+resumed prompt and token trace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from vllm import SamplingParams
+
+from channel.frames import Usage
+from orchestrator.gateway.migration import continuation_body, not_resumable
+from pools.engine import TokenTrace
+from pools.usage import StreamMeter
+from pools.vllm_engine import _resumed, _traced
+
+STREAM = {"model": "tiny", "prompt": "x", "stream": True}
+
+
+@pytest.mark.parametrize("endpoint, body, reason", [
+    ("completions", STREAM, None),
+    ("completions", STREAM | {"prompt": [1, 2, 3], "temperature": 0.7, "seed": 3}, None),
+    ("completions", STREAM | {"prompt": ["only one"]}, None),
+    ("chat", {"messages": [], "stream": True, "tools": [{}], "tool_choice": "none"}, None),
+    ("completions", STREAM | {"stream": False}, "not a stream"),
+    ("completions", STREAM | {"n": 2}, "several choices"),
+    ("completions", STREAM | {"best_of": 3}, "several choices"),
+    ("completions", STREAM | {"use_beam_search": True}, "beam search"),
+    ("completions", STREAM | {"stop": "."}, "stop strings"),
+    ("chat", {"messages": [], "stream": True, "stop": ["\n"]}, "stop strings"),
+    ("completions", STREAM | {"prompt": ["a", "b"]}, "several prompts"),
+    ("completions", STREAM | {"prompt_embeds": "..."}, "prompt embeddings"),
+    ("chat", {"messages": [], "stream": True, "tools": [{}]}, "tools"),
+])
+def test_which_streams_can_be_continued(endpoint: str, body: dict, reason: str | None) -> None:
+    assert not_resumable(endpoint, body) == reason
+
+
+def test_a_continuation_does_not_send_again_what_the_client_has() -> None:
+    body = STREAM | {"echo": True, "prompt_logprobs": 1, "logprobs": 2,
+                     "kv_transfer_params": {"do_remote_prefill": True}, "max_tokens": 9}
+    assert continuation_body(body) == STREAM | {"logprobs": 2, "max_tokens": 9}
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+USAGE = {"prompt_tokens": 30, "completion_tokens": 5, "total_tokens": 35,
+         "prompt_tokens_details": {"cached_tokens": 28}}
+
+
+def test_a_resumed_chat_stream_drops_its_role_chunk_and_counts_usage_as_one_request() -> None:
+    """The engine took the 20 tokens generated before as prompt: 30 prompt tokens are 10 of the
+    request's own and 20 of completion, and of its 28 cached, only the 10 are the prompt's."""
+    meter = StreamMeter(keep_usage=True, resumed=20)
+    role = _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    assert meter.feed(role) == (b"", False)
+    content = _event({"choices": [{"index": 0, "delta": {"content": "hi"}}]})
+    assert meter.feed(content) == (content, True)
+    chunk, token = meter.feed(_event({"choices": [], "usage": USAGE}))
+    assert not token and json.loads(chunk.removeprefix(b"data: "))["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": 25, "total_tokens": 35,
+        "prompt_tokens_details": {"cached_tokens": 10}}
+    assert meter.usage == Usage(10, 25, 10)
+
+
+def test_a_resumed_stream_shifts_continuous_usage_and_hidden_usage_too() -> None:
+    meter = StreamMeter(keep_usage=False, resumed=20)
+    chunk, token = meter.feed(_event({"choices": [{"index": 0, "text": "a"}], "usage": USAGE}))
+    assert token and json.loads(chunk.removeprefix(b"data: "))["usage"]["completion_tokens"] == 25
+    assert meter.feed(_event({"choices": [], "usage": USAGE})) == (b"", False)  # not asked for
+    assert meter.usage == Usage(10, 25, 10)
+
+
+def test_a_stream_that_is_not_resumed_is_relayed_byte_for_byte() -> None:
+    meter = StreamMeter(keep_usage=True)
+    role = _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    final = _event({"choices": [], "usage": USAGE})
+    assert meter.feed(role) == (role, False) and meter.feed(final) == (final, False)
+    assert meter.usage == Usage(30, 5, 28)
+
+
+def test_a_resumed_prompt_is_the_rendered_prompt_then_the_tokens_generated_before() -> None:
+    prompt = {"type": "token", "prompt_token_ids": [1, 2, 3], "prompt": "a b c",
+              "prompt_token_offsets": [(0, 1)], "cache_salt": "tenant"}
+    params = SamplingParams(max_tokens=10, min_tokens=4, temperature=0)
+    resumed, left = _resumed(prompt, params, (7, 8, 9))
+    assert resumed == {"type": "token", "prompt_token_ids": [1, 2, 3, 7, 8, 9],
+                       "cache_salt": "tenant"}
+    assert (left.max_tokens, left.min_tokens, left.temperature) == (7, 1, 0)
+    assert (params.max_tokens, prompt["prompt_token_ids"]) == (10, [1, 2, 3])  # not changed
+
+
+@pytest.mark.parametrize("prompt, max_tokens, message", [
+    ({"type": "embeds", "prompt_embeds": None}, 10, "only a prompt of token ids"),
+    ({"type": "token", "prompt_token_ids": [1]}, 3, "no tokens left"),
+])
+def test_a_prompt_that_cannot_be_resumed_is_refused(prompt: dict, max_tokens: int,
+                                                     message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _resumed(prompt, SamplingParams(max_tokens=max_tokens), (7, 8, 9))
+
+
+def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
+    calls, closed = [], []
+
+    def generate(prompt, params, request_id, **kwargs):
+        calls.append((prompt, params.max_tokens, request_id, kwargs))
+
+        async def outputs():
+            try:
+                for ids, text in (([5], "a"), ([6], ""), ([7], "b"), ([8], "")):
+                    yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, text=text)])
+            finally:
+                closed.append(True)
+        return outputs()
+
+    traced = _traced(generate)
+
+    async def scenario() -> None:
+        from pools import vllm_engine
+
+        plain = generate({"type": "token", "prompt_token_ids": [1]}, SamplingParams(), "a")
+        assert type(traced({}, SamplingParams(), "a")) is type(plain)  # untraced: the engine's own
+        trace = TokenTrace(resume=(3, 4))
+        vllm_engine._TRACE.set(trace)
+        outputs = traced({"type": "token", "prompt_token_ids": [1, 2]},
+                         SamplingParams(max_tokens=9), "b", priority=1)
+        seen = []
+        async for output in outputs:
+            seen.append(trace.take())
+            if len(seen) == 3:
+                break
+        await outputs.aclose()
+        # 6 is part of a character that 7 completes: handed out with 7's text, not before
+        assert seen == [[5], [], [6, 7]] and closed == [True]  # the engine's generator closed
+        assert calls[-1] == ({"type": "token", "prompt_token_ids": [1, 2, 3, 4]}, 7, "b",
+                             {"priority": 1})
+
+    asyncio.run(scenario())
