@@ -1,12 +1,17 @@
 """A small Ray actor where every replica reports what a router or `tokenfab status` needs.
 
 Replicas push a ReplicaReport every second; entries not refreshed within `ttl_s` are dropped, so a
-crashed or removed replica disappears on its own. Readers get plain snapshots. The actor is not
-detached: it dies with the application, and whoever finds it gone creates it again.
+crashed or removed replica disappears on its own. Readers get plain snapshots.
+
+The actor is detached: an actor that is not dies with the process that created it, and a replica
+that dies (Serve replaces one whose engine failed) would take every other replica's reports, the
+ingress announcements and the autoscaler's records with it. It ends itself once nobody has
+reported to it for `idle_exit_s` (its application was removed).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -18,6 +23,7 @@ from pools.engine import LoadSnapshot
 NAMESPACE = "tokenfab"
 REPORT_INTERVAL_S = 1.0
 INGRESS_TTL_S = 15.0  # an ingress replica that has not announced itself for this long is gone
+IDLE_EXIT_S = 300.0  # a registry nobody reported to for this long ends (its app is gone)
 
 
 class ReplicaReport(msgspec.Struct, frozen=True):
@@ -59,13 +65,22 @@ def registry_name(app: str) -> str:
 class ReplicaRegistry:
     """Owner of the replica table of one application."""
 
-    def __init__(self, ttl_s: float = 10.0) -> None:
+    def __init__(self, ttl_s: float = 10.0, idle_exit_s: float = IDLE_EXIT_S) -> None:
         self._ttl_s = ttl_s
         self._reports: dict[str, ReplicaReport] = {}
         self._scaling: dict[str, ScaleRecord] = {}
         self._ingresses: dict[str, IngressReport] = {}
+        self._heard = time.monotonic()
+        threading.Thread(target=self._exit_when_idle, args=(idle_exit_s,), name="idle-exit",
+                         daemon=True).start()
+
+    def _exit_when_idle(self, idle_exit_s: float) -> None:
+        while (idle := time.monotonic() - self._heard) < idle_exit_s:
+            time.sleep(idle_exit_s - idle)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def announce(self, report: IngressReport) -> None:
+        self._heard = time.monotonic()
         self._ingresses[report.replica_id] = msgspec.structs.replace(report,
                                                                      reported_at=time.time())
 
@@ -75,6 +90,7 @@ class ReplicaRegistry:
         return sorted(self._ingresses.values(), key=lambda r: r.replica_id)
 
     def report(self, report: ReplicaReport) -> None:
+        self._heard = time.monotonic()
         self._reports[report.replica_id] = msgspec.structs.replace(report, reported_at=time.time())
 
     def record_scale(self, record: ScaleRecord) -> None:
@@ -96,7 +112,7 @@ class ReplicaRegistry:
 def get_registry(app: str) -> ray.actor.ActorHandle:
     """The application's registry, created on first use by whichever process asks first."""
     return ReplicaRegistry.options(
-        name=registry_name(app), namespace=NAMESPACE, get_if_exists=True
+        name=registry_name(app), namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
     ).remote()
 
 
