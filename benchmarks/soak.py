@@ -1,0 +1,435 @@
+"""Soak: hours of traffic in minutes, with engines dying under it. Nothing may be lost.
+
+Two unified replicas of the tiny model take an open-loop Poisson load at `--load` of their
+measured capacity, greedy streams only (completions and chats, prompts of 40 to 1,200 tokens, some
+sharing a prefix), while one engine (`VLLM::EngineCore`, the replica with the most requests in
+flight) is SIGKILLed every `--kill-every` seconds. Serve replaces the replica; meanwhile the
+gateway retries what had not started and migrates what had (gateway.retries, gateway.migrate).
+
+Every request's text and usage are checked against the same request run alone and uninterrupted
+before the soak (the reference). Reported: requests sent, completed, failed (an HTTP error or an
+error event in the stream) and mismatched (completed, but not as the reference); TTFT and
+end-to-end p50/p99 per window of `--kill-every` seconds; resident memory of the gateway, the pool
+replicas and the engines, sampled every `--rss-every` seconds, with its slope (a leak shows as a
+slope that does not level off; each kill restarts one replica's processes).
+
+The engines run in float32 (`--dtype`): in bfloat16, a prompt computed at once and the same tokens
+computed one by one differ in the last bits, enough for the random tiny model's near-ties to pick
+other tokens after a migration (benchmarks/resume_identity.py).
+
+    .venv/bin/python benchmarks/soak.py [--minutes 30 --kill-every 300 --load 0.8]
+
+Writes benchmarks/results/soak.json, soak.md and soak.png. The suite runs `soak()` for a few
+minutes (tests/integration/test_migration.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+RESULTS = Path(__file__).parent / "results"
+MODEL = "tiny"
+PROCESSES = ("gateway", "replicas", "engines")
+
+
+# --- One streamed request, as a client sees it ------------------------------------------------
+
+@dataclass
+class Stream:
+    """What the client got for one streamed request."""
+
+    endpoint: str
+    status: int = 0
+    text: str = ""
+    usage: dict[str, Any] | None = None
+    chunk_ids: set[str] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+    done: bool = False  # the stream ended with `data: [DONE]`
+    replica: str = ""
+    sent: float = 0.0
+    first_token: float | None = None
+    finished: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and not self.errors
+
+    def answer(self) -> tuple[str, int | None, int | None]:
+        """What the reference is compared on: the text and the token counts."""
+        usage = self.usage or {}
+        return self.text, usage.get("prompt_tokens"), usage.get("completion_tokens")
+
+
+async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any],
+                 started: asyncio.Future[Stream] | None = None) -> Stream:
+    """Send one streamed request and read it to its end. `started` gets the stream (still
+    running) at its first token."""
+    out = Stream(endpoint, sent=time.monotonic())
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            out.status, out.replica = response.status_code, response.headers.get(
+                "x-tokenfab-replica", "")
+            if out.status != 200:
+                out.errors.append((await response.aread()).decode(errors="replace")[:300])
+                return out
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out.done = True
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out.errors.append(json.dumps(chunk["error"])[:300])
+                    continue
+                out.chunk_ids.add(chunk.get("id", ""))
+                if chunk.get("usage"):
+                    out.usage = chunk["usage"]
+                for choice in chunk.get("choices") or ():
+                    piece = choice.get("text") if endpoint == "completions" \
+                        else (choice.get("delta") or {}).get("content")
+                    if piece is None:
+                        continue
+                    if out.first_token is None:
+                        out.first_token = time.monotonic()
+                        if started is not None:
+                            started.set_result(out)
+                    out.text += piece
+    except httpx.HTTPError as exc:
+        out.errors.append(repr(exc))
+    finally:
+        out.finished = time.monotonic()
+    return out
+
+
+# --- The workload -----------------------------------------------------------------------------
+
+_WORDS = ("river stone light market seven quiet engine paper green north window table music "
+          "forty silver garden road cloud harbour lantern copper meadow signal winter").split()
+
+
+def workload(count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
+    """`count` distinct greedy streamed requests: completions and chats, prompts of about 40 to
+    1,200 tokens, a third of them behind one of four shared prefixes (cache hits for the router),
+    32 to 96 output tokens, all of them generated (`ignore_eos`). Half ask for the usage chunk
+    (the others' usage is checked by the gateway's accounting, not here)."""
+    rng = random.Random(seed)
+    shared = [" ".join(rng.choice(_WORDS) for _ in range(150)) for _ in range(4)]
+    requests = []
+    for index in range(count):
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(12, 300)))
+        text = f"{rng.choice(shared)} {index}: {words}" if index % 3 == 0 else f"{index}: {words}"
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": rng.randint(32, 96),
+                                "temperature": 0, "ignore_eos": True, "stream": True}
+        if index % 2:
+            body["stream_options"] = {"include_usage": True}
+        if index % 4 in (1, 2):
+            requests.append(("chat", body | {"messages": [{"role": "user", "content": text}]}))
+        else:
+            requests.append(("completions", body | {"prompt": text}))
+    return requests
+
+
+async def reference(client: httpx.AsyncClient, requests: list[tuple[str, dict[str, Any]]],
+                    concurrency: int = 2) -> list[tuple[str, int | None, int | None]]:
+    """Each request run alone (at most `concurrency` at once), uninterrupted."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(endpoint: str, body: dict[str, Any]) -> tuple[str, int | None, int | None]:
+        async with gate:
+            result = await stream(client, endpoint, body)
+        assert result.ok, f"reference request failed: {result.status} {result.errors}"
+        return result.answer()
+
+    return list(await asyncio.gather(*(one(e, b) for e, b in requests)))
+
+
+async def capacity(client: httpx.AsyncClient, requests: list[tuple[str, dict[str, Any]]],
+                   seconds: float, concurrency: int = 16) -> float:
+    """Requests per second the deployment completes with `concurrency` streams always open."""
+    done, until, rng = 0, time.monotonic() + seconds, random.Random(1)
+
+    async def worker() -> None:
+        nonlocal done
+        while time.monotonic() < until:
+            result = await stream(client, *rng.choice(requests))
+            done += result.ok
+    started = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / (time.monotonic() - started)
+
+
+# --- The stack's processes --------------------------------------------------------------------
+
+def _role(process: psutil.Process, app: str) -> str | None:
+    try:
+        title = " ".join(process.cmdline()) or process.name()
+    except psutil.Error:
+        return None
+    if title.startswith("VLLM::") or process.name().startswith("VLLM::"):
+        return "engines"
+    if title.startswith(f"ray::ServeReplica:{app}:gateway"):
+        return "gateway"
+    if title.startswith(f"ray::ServeReplica:{app}:pool-"):
+        return "replicas"
+    return None
+
+
+def rss_mb(app: str) -> dict[str, float]:
+    """Resident memory of the gateway, the pool replicas and the engines, MB (summed)."""
+    totals = dict.fromkeys(PROCESSES, 0.0)
+    for process in psutil.process_iter():
+        role = _role(process, app)
+        if role is not None:
+            try:
+                totals[role] += process.memory_info().rss / 2**20
+            except psutil.Error:
+                pass
+    return totals
+
+
+async def replicas(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    response = await client.get("/tokenfab/replicas")
+    response.raise_for_status()
+    return response.json()
+
+
+async def kill_busiest_engine(client: httpx.AsyncClient, wait_for: int, timeout_s: float
+                              ) -> str | None:
+    """SIGKILL the EngineCore of the ready replica with the most requests in flight, once
+    `wait_for` replicas are ready (None if they were not within `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = [r for r in await replicas(client) if r["state"] == "ready"]
+        if len(ready) >= wait_for:
+            break
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(1.0)
+    victim = max(ready, key=lambda r: r["load"]["in_flight"])
+    replica = psutil.Process(victim["pid"])
+    core = next(p for p in replica.children() if p.name() == "VLLM::EngineCore")
+    core.send_signal(signal.SIGKILL)
+    return victim["replica_id"]
+
+
+# --- The soak ---------------------------------------------------------------------------------
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _slope_per_10min(samples: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, MB) samples, in MB per 10 minutes."""
+    if len(samples) < 3:
+        return None
+    xs, ys = [t for t, _ in samples], [m for _, m in samples]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    return 600 * sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else None
+
+
+async def soak(root: str, app: str, *, seconds: float, kill_every_s: float, load: float = 0.8,
+               rss_every_s: float = 10.0, distinct: int = 48, capacity_s: float = 30.0,
+               replicas_expected: int = 2, seed: int = 0) -> dict[str, Any]:
+    """Run the soak against the deployment at `root` (its app named `app`); the summary."""
+    requests = workload(distinct, seed)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=root, timeout=600, trust_env=False,
+                                 limits=limits) as client:
+        expected = await reference(client, requests)
+        rate = load * await capacity(client, requests, capacity_s)
+        rng = random.Random(seed)
+        start = time.monotonic()
+        kills: list[dict[str, Any]] = []
+        rss: list[tuple[float, dict[str, float]]] = []
+
+        async def killer() -> None:
+            for at in [kill_every_s * k for k in range(1, int(seconds // kill_every_s) + 1)]:
+                await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+                if time.monotonic() - start >= seconds:
+                    return
+                victim = await kill_busiest_engine(client, replicas_expected, kill_every_s / 2)
+                kills.append({"at_s": round(time.monotonic() - start, 1), "replica": victim})
+
+        async def sampler() -> None:
+            while time.monotonic() - start < seconds:
+                rss.append((time.monotonic() - start, await asyncio.to_thread(rss_mb, app)))
+                await asyncio.sleep(rss_every_s)
+
+        async def one(index: int, at: float) -> tuple[int, Stream]:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            return index, await stream(client, *requests[index])
+
+        arrivals, at = [], rng.expovariate(rate)
+        while at < seconds:
+            arrivals.append((rng.randrange(distinct), at))
+            at += rng.expovariate(rate)
+        background = [asyncio.create_task(killer()), asyncio.create_task(sampler())]
+        results = await asyncio.gather(*(one(i, a) for i, a in arrivals))
+        for task in background:
+            task.cancel()
+    return summarize(results, expected, start, kills, rss, seconds, kill_every_s, rate, load)
+
+
+def summarize(results: list[tuple[int, Stream]], expected: list[tuple], start: float,
+              kills: list[dict[str, Any]], rss: list[tuple[float, dict[str, float]]],
+              seconds: float, window_s: float, rate: float, load: float) -> dict[str, Any]:
+    failed = [s for _, s in results if not s.ok]
+    mismatched = [(i, s) for i, s in results if s.ok and s.answer() != expected[i]]
+    split = [(i, s) for i, s in results if s.ok and len(s.chunk_ids) != 1]
+    windows = []
+    for w in range(max(1, int(-(-seconds // window_s)))):
+        inside = [s for _, s in results if s.ok and w * window_s <= s.sent - start < (w + 1) * window_s]
+        ttft = [s.first_token - s.sent for s in inside if s.first_token is not None]
+        e2e = [s.finished - s.sent for s in inside]
+        windows.append({"from_s": w * window_s, "requests": len(inside),
+                        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+                        "e2e_p50_s": _pct(e2e, 0.5), "e2e_p99_s": _pct(e2e, 0.99)})
+    return {
+        "sent": len(results), "completed": len(results) - len(failed), "failed": len(failed),
+        "mismatched": len(mismatched), "split_chunk_ids": len(split), "kills": len(kills),
+        "kill_log": kills, "rate_rps": round(rate, 3), "load": load, "seconds": seconds,
+        "windows": windows,
+        "rss_mb": [{"at_s": round(t, 1), **{k: round(v, 1) for k, v in m.items()}} for t, m in rss],
+        "rss_slope_mb_per_10min": {p: _slope_per_10min([(t, m[p]) for t, m in rss])
+                                   for p in PROCESSES},
+        "failures": [s.errors[:1] + [s.status] for s in failed][:10],
+        "mismatches": [{"request": i, "got": s.answer()[0][:80], "want": expected[i][0][:80],
+                        "usage": s.answer()[1:], "want_usage": expected[i][1:]}
+                       for i, s in mismatched][:10],
+    }
+
+
+# --- The benchmark ----------------------------------------------------------------------------
+
+def topology(dtype: str) -> Any:
+    from orchestrator.config import parse_topology
+
+    return parse_topology({
+        "name": "soak",
+        "model": {"name": MODEL, "path": "~/.cache/tokenfab/models/tiny-llama",
+                  "generate": "tiny", "dtype": dtype, "max_model_len": 2048},
+        "engine_args": {"enforce_eager": True},
+        "pools": [{"name": "main", "role": "unified", "replicas": 2,
+                   "resources": {"cpus": 1, "kv_cache_bytes": "256MiB", "pin_cores": True}}],
+        "router": {"policy": "kv_aware"},
+        "gateway": {"host": "127.0.0.1", "port": 8030},
+        "cluster": {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
+                    "dashboard_url": "http://127.0.0.1:8285", "num_cpus": 2},
+    })
+
+
+def _f(value: float | None, scale: float = 1.0) -> str:
+    return "–" if value is None else f"{value * scale:.0f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    r = result
+    lines = [
+        "# Soak: engines killed under load",
+        "",
+        f"{r['seconds'] / 60:.0f} minutes at {r['load']:.0%} of measured capacity "
+        f"({r['rate_rps']} req/s), one engine SIGKILLed every {r['window_s']:.0f} s, "
+        f"{r['dtype']}. Written by `benchmarks/soak.py`; command: `{r['command']}`.",
+        "",
+        "| sent | completed | failed | mismatched | kills |",
+        "|---|---|---|---|---|",
+        f"| {r['sent']} | {r['completed']} | {r['failed']} | {r['mismatched']} | {r['kills']} |",
+        "",
+        "Latency of the requests sent in each window (ms):",
+        "",
+        "| window from | requests | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w in r["windows"]:
+        lines.append(f"| {w['from_s']:.0f} s | {w['requests']} | {_f(w['ttft_p50_s'], 1e3)} | "
+                     f"{_f(w['ttft_p99_s'], 1e3)} | {_f(w['e2e_p50_s'], 1e3)} | "
+                     f"{_f(w['e2e_p99_s'], 1e3)} |")
+    slopes = r["rss_slope_mb_per_10min"]
+    lines += ["", "Resident memory slope (MB per 10 minutes; each kill restarts one replica):", "",
+              "| " + " | ".join(PROCESSES) + " |", "|" + "---|" * len(PROCESSES),
+              "| " + " | ".join("–" if slopes[p] is None else f"{slopes[p]:+.1f}"
+                                for p in PROCESSES) + " |", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    windows = result["windows"]
+    mids = [w["from_s"] + result["window_s"] / 2 for w in windows]
+    for key, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"),
+                       ("e2e_p99_s", "E2E p99")):
+        top.plot(mids, [w[key] or 0 for w in windows], marker="o", label=label)
+    top.set_ylabel("seconds")
+    top.legend()
+    samples = result["rss_mb"]
+    for process in PROCESSES:
+        bottom.plot([s["at_s"] for s in samples], [s[process] for s in samples], label=process)
+    bottom.set_ylabel("RSS (MB)")
+    bottom.set_xlabel("seconds into the soak")
+    bottom.legend()
+    for kill in result["kill_log"]:
+        for axis in (top, bottom):
+            axis.axvline(kill["at_s"], color="red", alpha=0.3)
+    fig.suptitle("Soak: one engine SIGKILLed at each red line")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    import sys
+
+    from harness import deployed, remove
+    from orchestrator import cluster
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--kill-every", type=float, default=300.0, help="seconds")
+    parser.add_argument("--load", type=float, default=0.8, help="share of measured capacity")
+    parser.add_argument("--rss-every", type=float, default=10.0, help="seconds")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--name", default="soak", help="results/<name>.{json,md,png}")
+    args = parser.parse_args()
+    spec = topology(args.dtype)
+    cluster.start_head(spec.cluster)
+    try:
+        root = deployed(spec)
+        result = asyncio.run(soak(root, spec.name, seconds=args.minutes * 60,
+                                  kill_every_s=args.kill_every, load=args.load,
+                                  rss_every_s=args.rss_every))
+        remove(spec)
+    finally:
+        cluster.stop_ray(spec.cluster.dashboard_url)
+    result |= {"window_s": args.kill_every, "dtype": args.dtype,
+               "command": " ".join(["benchmarks/soak.py", *sys.argv[1:]])}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"{args.name}.md").write_text(markdown(result))
+    plot(result, RESULTS / f"{args.name}.png")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Engines that die mid-stream (topology-migration.yaml: two replicas, float32): every stream goes
+on, on the other replica, token for token as an uninterrupted run, and is charged once; then a
+short soak kills engines under load (benchmarks/soak.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import psutil
+import pytest
+
+from benchmarks.soak import Stream, soak, stream
+from orchestrator.config import Topology
+from orchestrator.status import gateway_url
+from tests.integration.conftest import ROOT, up
+from tests.promql import scrape
+
+TOPOLOGY = ROOT / "tests/integration/topology-migration.yaml"
+STREAMS = 32
+MAX_TOKENS = 320  # each stream lasts seconds: the kill lands mid-stream
+
+
+@pytest.fixture(scope="module")
+def migrating(ray_cluster) -> Topology:
+    with up(TOPOLOGY) as topology:
+        yield topology
+
+
+def _requests() -> list[tuple[str, dict]]:
+    """Greedy streams that all generate their `max_tokens` (so each is long enough to be cut):
+    half completions, half chats, every one asking for its usage."""
+    requests = []
+    for i in range(STREAMS):
+        words = " ".join(f"w{(i * 13 + j) % 97}" for j in range(20 + 7 * i))
+        body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if i % 2:
+            requests.append(("chat", body | {"messages": [{"role": "user", "content": words}]}))
+        else:
+            requests.append(("completions", body | {"prompt": f"stream {i}: {words}"}))
+    return requests
+
+
+def _tokens(root: str) -> dict[str, float]:
+    return {kind: sum(s.value for s in scrape(f"{root}/metrics")
+                      if s.name == "tokenfab_gateway_tokens_total" and s.labels["kind"] == kind)
+            for kind in ("prompt", "completion")}
+
+
+def _migrations(root: str) -> dict[str, float]:
+    return {s.labels["outcome"]: s.value for s in scrape(f"{root}/metrics")
+            if s.name == "tokenfab_router_migrations_total"}
+
+
+async def _all(root: str, requests: list[tuple[str, dict]], kill: bool
+               ) -> tuple[list[Stream], str | None, float]:
+    """Run every request at once; with `kill`, SIGKILL the EngineCore of the replica streaming
+    the most of them once a quarter of them have their first token (the others may still wait
+    for theirs: those on the victim are retried, not continued)."""
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=root, timeout=300, trust_env=False,
+                                 limits=limits) as client:
+        pids = {r["replica_id"]: r["pid"] for r in (await client.get("/tokenfab/replicas")).json()}
+        loop = asyncio.get_running_loop()
+        started = [loop.create_future() for _ in requests]
+        tasks = [asyncio.create_task(stream(client, endpoint, body, first))
+                 for (endpoint, body), first in zip(requests, started)]
+        victim, killed_at = None, 0.0
+        if kill:
+            deadline = time.monotonic() + 120
+            while sum(first.done() for first in started) < len(requests) // 4:
+                assert time.monotonic() < deadline, "the streams did not start"
+                await asyncio.sleep(0.02)
+            running = [first.result() for first, task in zip(started, tasks)
+                       if first.done() and not task.done()]
+            victim = Counter(s.replica for s in running).most_common(1)[0][0]
+            core = next(p for p in psutil.Process(pids[victim]).children()
+                        if p.name() == "VLLM::EngineCore")
+            core.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+        return list(await asyncio.gather(*tasks)), victim, killed_at
+
+
+def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
+    """32 greedy streams over two replicas; one engine is SIGKILLed while they stream. Every
+    stream completes, token for token what the same requests gave
+    uninterrupted, with one chunk id and the usage of one request; the gateway charged each
+    once; the streams cut on the dead engine were continued on the other replica."""
+    root, requests = gateway_url(migrating), _requests()
+    reference, _, _ = asyncio.run(_all(root, requests, kill=False))
+    assert all(s.ok for s in reference), [s.errors for s in reference if not s.ok]
+    before, migrated_before = _tokens(root), _migrations(root).get("resumed", 0)
+    streams, victim, killed_at = asyncio.run(_all(root, requests, kill=True))
+
+    assert [s.errors for s in streams if not s.ok] == []
+    assert all(s.done and len(s.chunk_ids) == 1 for s in streams)
+    for got, want in zip(streams, reference):
+        assert got.answer() == want.answer()
+        assert got.usage["completion_tokens"] == MAX_TOKENS
+    # The client reads behind the engines (2 cores for everything): which of the victim's streams
+    # were cut is the gateway's to say, and one at least was
+    on_victim = [s for s in streams if s.replica == victim]
+    assert 1 <= _migrations(root).get("resumed", 0) - migrated_before <= len(on_victim)
+    after = _tokens(root)
+    assert after["completion"] - before["completion"] == MAX_TOKENS * STREAMS  # charged once
+    assert after["prompt"] - before["prompt"] == sum(s.usage["prompt_tokens"] for s in reference)
+
+
+def test_short_soak_kills_engines_under_load_and_loses_nothing(migrating: Topology) -> None:
+    """benchmarks/soak.py for two and a half minutes: an engine killed every minute under 80% of
+    measured capacity; every request completes as its uninterrupted reference."""
+    root = gateway_url(migrating)
+
+    def both_ready() -> bool:  # the registry answers throughout (it outlived the killed replica)
+        response = httpx.get(f"{root}/tokenfab/replicas", trust_env=False, timeout=30)
+        assert response.status_code == 200, response.text
+        return sum(r["state"] == "ready" for r in response.json()) == 2
+    deadline = time.monotonic() + 300
+    while not both_ready():  # the previous test's victim is being replaced
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(1)
+    result = asyncio.run(soak(root, migrating.name, seconds=150, kill_every_s=60, load=0.8,
+                              rss_every_s=5, distinct=24, capacity_s=15))
+    shown = json.dumps({key: result[key] for key in ("failures", "mismatches", "kill_log",
+                                                     "windows", "rate_rps")})
+    assert result["kills"] == 2 and all(k["replica"] for k in result["kill_log"]), shown
+    assert (result["failed"], result["mismatched"], result["split_chunk_ids"]) == (0, 0, 0), shown
+    assert result["completed"] == result["sent"] > 0
+
+
+def test_the_registry_outlives_its_creator_and_ends_once_idle(migrating: Topology) -> None:
+    """The replica registry is detached: the process that created it may die (a replica Serve
+    replaces) and every other replica's reports stay; nobody reporting for `idle_exit_s`, it
+    ends."""
+    import ray
+
+    from pools.registry import NAMESPACE
+
+    address, name = migrating.cluster.address, "registry-idle-test"
+    create = (f"import ray; from pools.registry import NAMESPACE, ReplicaRegistry; "
+              f"ray.init(address='{address}', log_to_driver=False, logging_level='ERROR', "
+              f"_node_ip_address='127.0.0.1'); r = ReplicaRegistry.options(name='{name}', "
+              f"namespace=NAMESPACE, lifetime='detached').remote(idle_exit_s=5); "
+              f"ray.get(r.snapshot.remote())")
+    subprocess.run([sys.executable, "-c", create], check=True, cwd=ROOT, timeout=120)
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR",
+             _node_ip_address="127.0.0.1")
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)  # its creator has exited
+        assert ray.get(handle.snapshot.remote()) == []
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break  # gone
+            assert time.monotonic() < deadline, "the idle registry did not end"
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
