@@ -19,7 +19,8 @@ other tokens after a migration (benchmarks/resume_identity.py).
 
     .venv/bin/python benchmarks/soak.py [--minutes 30 --kill-every 300 --load 0.8]
 
-Writes benchmarks/results/soak.json, soak.md and soak.png. The suite runs `soak()` for a few
+Writes benchmarks/results/soak.json, soak.md and soak.png (needs the `bench` extra; `--replot`
+draws the PNG again from the JSON). The suite runs `soak()` for a few
 minutes (tests/integration/test_migration.py).
 """
 
@@ -411,7 +412,12 @@ def main() -> None:
     parser.add_argument("--rss-every", type=float, default=10.0, help="seconds")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--name", default="soak", help="results/<name>.{json,md,png}")
+    parser.add_argument("--replot", action="store_true",
+                        help="only draw results/<name>.png again from results/<name>.json")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS / f"{args.name}.json").read_text()), RESULTS / f"{args.name}.png")
+        return
     spec = topology(args.dtype)
     cluster.start_head(spec.cluster)
     try:
