@@ -56,10 +56,11 @@ class Request(msgspec.Struct, array_like=True, frozen=True):
     body: bytes  # the OpenAI request body, JSON
     usage_to_client: bool = True  # False: drop the stream's usage chunk, report it in END only
     track_tokens: bool = False  # send TOKENS, not TOKEN: the ids with the bytes that carry them
-    # A continuation: the tokens this request already generated elsewhere (and its client has).
-    # The engine takes them as part of the prompt and generates the rest; the reply leaves out
-    # what was already sent (a chat stream's role chunk) and counts usage as one request would.
-    resume: tuple[int, ...] = ()
+    # A continuation (None: not one): the tokens this request already generated elsewhere, whose
+    # text its client has (possibly none yet). The engine takes them as part of the prompt and
+    # generates the rest; the reply leaves out what was already sent (a chat stream's role
+    # chunk) and counts usage as one request would.
+    resume: tuple[int, ...] | None = None
 
 
 class Head(msgspec.Struct, array_like=True, frozen=True):

@@ -157,9 +157,10 @@ class PoolReplica:
     async def serve(self, request: Request, reply: Reply) -> None:
         """One request from a gateway: the engine's reply, relayed as it comes, then its usage."""
         body, keep_usage = with_stream_usage(msgspec.json.decode(request.body))
-        meter, streaming = StreamMeter(keep_usage, resumed=len(request.resume)), False
-        tracked = request.track_tokens
-        trace = TokenTrace(request.resume) if tracked or request.resume else None
+        resume = request.resume
+        meter = StreamMeter(keep_usage, resumed=None if resume is None else len(resume))
+        tracked, streaming = request.track_tokens, False
+        trace = TokenTrace(resume or ()) if tracked or resume is not None else None
         async for item in self._engine.reply(request.endpoint, body, trace):
             if isinstance(item, ReplyHead):
                 streaming = item.streaming

@@ -74,12 +74,14 @@ def with_stream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 
 class StreamMeter:
     """Reads one stream's server-sent events as they pass: which carry tokens, and the usage.
-    `resumed`: the number of tokens a resumed stream's engine took as prompt (see above)."""
+    `resumed`: for a resumed stream, the number of tokens its engine took as prompt (see above);
+    None for any other."""
 
-    __slots__ = ("_keep_usage", "_resumed", "usage")
+    __slots__ = ("_keep_usage", "_continued", "_resumed", "usage")
 
-    def __init__(self, keep_usage: bool, resumed: int = 0) -> None:
-        self._keep_usage, self._resumed = keep_usage, resumed
+    def __init__(self, keep_usage: bool, resumed: int | None = None) -> None:
+        self._keep_usage, self._continued = keep_usage, resumed is not None
+        self._resumed = resumed or 0
         self.usage = Usage()
 
     def feed(self, item: bytes) -> tuple[bytes, bool]:
@@ -110,7 +112,7 @@ class StreamMeter:
             if not choices:  # the final usage chunk
                 return (self._relayed_usage(event, data) if self._keep_usage else b""), False
             event = self._relayed_usage(event, data)  # continuous usage stats
-        if self._resumed and any(_opens_chat(choice) for choice in choices):
+        if self._continued and any(_opens_chat(choice) for choice in choices):
             return b"", False
         return event, any(_has_token(choice) for choice in choices)
 

@@ -74,7 +74,8 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
     sent: list[int] = []  # the tokens the client has
     while True:
         try:
-            deadline = time.monotonic() + call.timeout_s if request.resume else call.deadline
+            deadline = call.deadline if request.resume is None \
+                else time.monotonic() + call.timeout_s  # a continuation: a new reply
             stream, head = await pool.open(request, key, deadline, frozenset(failed))
             call.reached_engine = True
             try:
@@ -101,7 +102,7 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
         except GatewayError as exc:
             if not call.responder.started:
                 raise
-            if request.resume:
+            if request.resume is not None:
                 pool.service.migration("failed")
             end_in_stream(call, exc)
             return None

@@ -253,7 +253,7 @@ def test_a_stream_whose_replica_fails_is_continued_on_another_from_the_tokens_se
         assert sent == b"data: a\n\ndata: b\n\ndata: c\n\ndata: [DONE]\n\n"
         first, = broken.received
         continued, = healthy.received
-        assert first.track_tokens and first.resume == ()
+        assert first.track_tokens and first.resume is None
         assert continued.track_tokens and continued.resume == (1, 2)
         original = json.loads(first.body)
         assert original["request_id"] == "req-1"  # the chunk ids stay the same on r2
@@ -279,8 +279,26 @@ def test_a_continuation_that_fails_too_continues_from_all_tokens_sent_so_far() -
         assert await serve(UnifiedFlow(main), request) == Usage(500, 4, 0)
         assert request.responder._connection.response()[2] == (
             b"data: a\n\ndata: b\n\ndata: c\n\ndata: d\n\ndata: [DONE]\n\n")
-        assert r1.received[0].resume == ()
+        assert r1.received[0].resume is None
         assert sorted(r.resume for r in r2.received + r3.received) == [(1, 2), (1, 2, 3)]
+    run(scenario())
+
+
+def test_a_stream_cut_before_any_token_text_is_continued_from_no_tokens() -> None:
+    """The client has bytes but no token whose text is whole (a chat's role chunk, part of a
+    character): still a continuation (the replica leaves out the role chunk), from no tokens."""
+    async def scenario() -> None:
+        r1 = await ScriptedReplica("r1", [Step("head", 200, streaming=True),
+                                          Step("token", payload=b"data: role\n\n"),
+                                          Step("fail")]).start()
+        r2 = await ScriptedReplica("r2", streamed(b"data: a\n\n")).start()
+        main = pool("main", r1, r2, retries=1)
+        await connected(main)
+        request = call(BODY)
+        await serve(UnifiedFlow(main), request)
+        assert request.responder._connection.response()[2] == (
+            b"data: role\n\ndata: a\n\ndata: [DONE]\n\n")
+        assert r2.received[0].resume == ()
     run(scenario())
 
 

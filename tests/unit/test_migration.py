@@ -69,6 +69,14 @@ def test_a_resumed_chat_stream_drops_its_role_chunk_and_counts_usage_as_one_requ
     assert meter.usage == Usage(10, 25, 10)
 
 
+def test_a_stream_continued_from_no_tokens_still_drops_its_role_chunk() -> None:
+    meter = StreamMeter(keep_usage=False, resumed=0)
+    role = _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    assert meter.feed(role) == (b"", False)
+    meter.feed(_event({"choices": [], "usage": USAGE}))
+    assert meter.usage == Usage(30, 5, 28)  # nothing to shift
+
+
 def test_a_resumed_stream_shifts_continuous_usage_and_hidden_usage_too() -> None:
     meter = StreamMeter(keep_usage=False, resumed=20)
     chunk, token = meter.feed(_event({"choices": [{"index": 0, "text": "a"}], "usage": USAGE}))
