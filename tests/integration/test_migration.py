@@ -24,7 +24,7 @@ from tests.promql import scrape
 
 TOPOLOGY = ROOT / "tests/integration/topology-migration.yaml"
 STREAMS = 32
-MAX_TOKENS = 320  # each stream lasts seconds: the kill lands mid-stream
+MAX_TOKENS = 640  # each stream lasts many seconds: the kill lands mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +60,11 @@ def _migrations(root: str) -> dict[str, float]:
 
 
 async def _all(root: str, requests: list[tuple[str, dict]], kill: bool
-               ) -> tuple[list[Stream], str | None, float]:
+               ) -> tuple[list[Stream], str | None]:
     """Run every request at once; with `kill`, SIGKILL the EngineCore of the replica streaming
     the most of them once a quarter of them have their first token (the others may still wait
-    for theirs: those on the victim are retried, not continued)."""
+    for theirs: those on the victim are retried, not continued). The client reads seconds behind
+    the engines on 2 shared cores: the streams are long enough to be cut all the same."""
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=root, timeout=300, trust_env=False,
                                  limits=limits) as client:
@@ -72,7 +73,7 @@ async def _all(root: str, requests: list[tuple[str, dict]], kill: bool
         started = [loop.create_future() for _ in requests]
         tasks = [asyncio.create_task(stream(client, endpoint, body, first))
                  for (endpoint, body), first in zip(requests, started)]
-        victim, killed_at = None, 0.0
+        victim = None
         if kill:
             deadline = time.monotonic() + 120
             while sum(first.done() for first in started) < len(requests) // 4:
@@ -84,8 +85,7 @@ async def _all(root: str, requests: list[tuple[str, dict]], kill: bool
             core = next(p for p in psutil.Process(pids[victim]).children()
                         if p.name() == "VLLM::EngineCore")
             core.send_signal(signal.SIGKILL)
-            killed_at = time.monotonic()
-        return list(await asyncio.gather(*tasks)), victim, killed_at
+        return list(await asyncio.gather(*tasks)), victim
 
 
 def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
@@ -94,10 +94,10 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
     uninterrupted, with one chunk id and the usage of one request; the gateway charged each
     once; the streams cut on the dead engine were continued on the other replica."""
     root, requests = gateway_url(migrating), _requests()
-    reference, _, _ = asyncio.run(_all(root, requests, kill=False))
+    reference, _ = asyncio.run(_all(root, requests, kill=False))
     assert all(s.ok for s in reference), [s.errors for s in reference if not s.ok]
     before, migrated_before = _tokens(root), _migrations(root).get("resumed", 0)
-    streams, victim, killed_at = asyncio.run(_all(root, requests, kill=True))
+    streams, victim = asyncio.run(_all(root, requests, kill=True))
 
     assert [s.errors for s in streams if not s.ok] == []
     assert all(s.done and len(s.chunk_ids) == 1 for s in streams)
