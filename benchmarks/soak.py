@@ -311,7 +311,9 @@ def summarize(results: list[tuple[int, Stream]], expected: list[tuple], start: f
         "rss_mb": [{"at_s": round(t, 1), **{k: round(v, 1) for k, v in m.items()}} for t, m in rss],
         "rss_slope_mb_per_10min": {p: _slope_per_10min([(t, m[p]) for t, m in rss])
                                    for p in PROCESSES},
-        "failures": [s.errors[:1] + [s.status] for s in failed][:10],
+        "failures": [{"at_s": round(s.sent - start, 1), "took_s": round(s.finished - s.sent, 1),
+                      "status": s.status, "replica": s.replica, "error": s.errors[:1]}
+                     for s in failed][:10],
         "mismatches": [{"request": i, "got": s.answer()[0][:80], "want": expected[i][0][:80],
                         "usage": s.answer()[1:], "want_usage": expected[i][1:]}
                        for i, s in mismatched][:10],

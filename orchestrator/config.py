@@ -232,7 +232,8 @@ class GatewaySpec(_Strict):
         2, ge=0, description="Times a request goes to another replica of its pool when the one "
         "it was on failed (engine dead, replica gone): before any byte of the answer reached the "
         "client, within the request's deadline; after, as a continuation of its stream (see "
-        "migrate). Charged once.")
+        "migrate). With no other replica listed, it waits for one (Serve replacing the failed "
+        "one) until that deadline. Charged once.")
     migrate: bool = Field(
         True, description="Continue a stream whose replica failed after tokens reached the "
         "client on another replica, from the tokens the client has (one stream, usage as one "

@@ -236,10 +236,6 @@ class PoolDispatcher:
                                "or more requests waiting; retry later", code=OVERLOADED,
                                retry_after_s=SHED_RETRY_AFTER_S)
 
-    def has_replicas_besides(self, replicas: set[ReplicaId]) -> bool:
-        """Whether the pool has a replica (connected or not) outside `replicas`."""
-        return any(replica not in replicas for replica in self._links)
-
     def finished(self, key: RouteKey) -> None:
         """The request ended (however): its replica has room again."""
         self.service.finished(key.request_id)

@@ -61,7 +61,8 @@ def _keys(pools: Mapping[str, PoolDispatcher], request_id: str, tokens: list[int
 async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, Any]
                ) -> Usage | None:
     """One pool's part of the call. A replica that fails is left out and the request goes to
-    another, up to `pool.retries` times: before any byte reached the client, the request itself;
+    another, up to `pool.retries` times, waiting (within the deadline) for one if the pool has
+    no other now: before any byte reached the client, the request itself;
     after, a continuation of its stream from the tokens the client has (gateway.migration), when
     the request can be continued. Otherwise the client gets the error: as the answer, or as the
     stream's last event."""
@@ -86,7 +87,8 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
         except ReplicaFailed as exc:
             pool.service.failed(exc.replica)
             failed.add(exc.replica)
-            retry = len(failed) <= pool.retries and pool.has_replicas_besides(failed)
+            retry = len(failed) <= pool.retries  # on a replica not tried yet: one listed, or
+            # one that appears within the deadline (Serve replacing the failed one)
             if not call.responder.started:
                 if retry:
                     continue

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import psutil
@@ -59,24 +62,46 @@ def _migrations(root: str) -> dict[str, float]:
             if s.name == "tokenfab_router_migrations_total"}
 
 
-async def _all(root: str, requests: list[tuple[str, dict]], victim: str | None = None
-               ) -> list[Stream]:
-    """Run every request at once; with a `victim`, SIGKILL its EngineCore 3 s after they were
-    sent, when every stream is decoding (their prompts are cached from the reference run, and
-    each lasts well over 10 s). The kill is timed on the clock, not on what the client has read:
-    on 2 shared cores the client reads seconds behind the engines."""
+class EngineKiller(threading.Thread):
+    """SIGKILLs the victim replica's EngineCore once its engine reports `running` or more
+    requests (the replicas' own load reports, read through the gateway). A thread of its own:
+    the client's event loop, reading 32 streams on 2 shared cores, runs seconds behind the
+    engines (a 3 s timer on it fired after 16 s, when most streams had ended)."""
+
+    def __init__(self, root: str, pid: int, victim: str, running: int) -> None:
+        super().__init__(daemon=True)
+        self.root, self.pid, self.victim, self.running = root, pid, victim, running
+        self.seen: dict | None = None  # the victim's load when it was killed
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            deadline = time.monotonic() + 60
+            with httpx.Client(base_url=self.root, trust_env=False, timeout=10) as client:
+                while time.monotonic() < deadline:
+                    load = next(r["load"] for r in client.get("/tokenfab/replicas").json()
+                                if r["replica_id"] == self.victim)
+                    if load["running"] >= self.running:
+                        core = next(p for p in psutil.Process(self.pid).children()
+                                    if p.name() == "VLLM::EngineCore")
+                        core.send_signal(signal.SIGKILL)
+                        self.seen = load
+                        return
+                    time.sleep(0.1)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
+async def _all(root: str, requests: list[tuple[str, dict]],
+               killer: EngineKiller | None = None) -> list[Stream]:
+    """Run every request at once; with a `killer`, started once they were sent."""
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=root, timeout=300, trust_env=False,
                                  limits=limits) as client:
-        pids = {r["replica_id"]: r["pid"] for r in (await client.get("/tokenfab/replicas")).json()}
         tasks = [asyncio.create_task(stream(client, endpoint, body))
                  for endpoint, body in requests]
-        if victim is not None:
-            await asyncio.sleep(3.0)
-            assert not any(task.done() for task in tasks)
-            core = next(p for p in psutil.Process(pids[victim]).children()
-                        if p.name() == "VLLM::EngineCore")
-            core.send_signal(signal.SIGKILL)
+        if killer is not None:
+            killer.start()
         return list(await asyncio.gather(*tasks))
 
 
@@ -90,7 +115,12 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
     assert all(s.ok for s in reference), [s.errors for s in reference if not s.ok]
     before, migrated_before = _tokens(root), _migrations(root).get("resumed", 0)
     victim = Counter(s.replica for s in reference).most_common(1)[0][0]  # where prefixes are
-    streams = asyncio.run(_all(root, requests, victim))
+    pid = next(r["pid"] for r in httpx.get(f"{root}/tokenfab/replicas", trust_env=False).json()
+               if r["replica_id"] == victim)
+    killer = EngineKiller(root, pid, victim, running=STREAMS // 4)
+    streams = asyncio.run(_all(root, requests, killer))
+    killer.join()
+    assert killer.error is None and killer.seen is not None, killer.error  # killed mid-stream
 
     assert [s.errors for s in streams if not s.ok] == []
     assert all(s.done and len(s.chunk_ids) == 1 for s in streams)
@@ -122,10 +152,23 @@ def test_short_soak_kills_engines_under_load_and_loses_nothing(migrating: Topolo
     result = asyncio.run(soak(root, migrating.name, seconds=150, kill_every_s=60, load=0.8,
                               rss_every_s=5, distinct=24, capacity_s=15))
     shown = json.dumps({key: result[key] for key in ("failures", "mismatches", "kill_log",
-                                                     "windows", "rate_rps")})
+                                                     "windows", "rate_rps")}) + _serve_events()
     assert result["kills"] == 2 and all(k["replica"] for k in result["kill_log"]), shown
     assert (result["failed"], result["mismatched"], result["split_chunk_ids"]) == (0, 0, 0), shown
     assert result["completed"] == result["sent"] > 0
+
+
+def _serve_events(limit: int = 60) -> str:
+    """The Serve logs' warnings and errors (health checks, replicas replaced, engines dead),
+    shown when the soak fails: CI keeps nothing else of the run."""
+    events = []
+    for path in Path("/tmp/ray/session_latest/logs/serve").glob("*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            stamped = re.match(r"(INFO|WARNING|ERROR) (\S+ \S+) ", line)
+            if stamped and "request_id=" not in line and (
+                    stamped[1] != "INFO" or "eplica" in line or "died" in line):
+                events.append((stamped[2], line[:300]))
+    return "\nserve logs:\n" + "\n".join(line for _, line in sorted(events)[-limit:])
 
 
 def test_the_registry_outlives_its_creator_and_ends_once_idle(migrating: Topology) -> None:

@@ -177,20 +177,58 @@ def test_a_replica_that_fails_before_any_byte_is_left_out_and_the_request_retrie
     run(scenario())
 
 
-@pytest.mark.parametrize(("retries", "replicas"), [(0, 2), (2, 1), (2, 2)],
-                         ids=["no-retries", "no-other-replica", "every-replica-failed"])
-def test_no_retry_left_answers_503_at_once(retries: int, replicas: int) -> None:
+def test_no_retry_left_answers_503_at_once() -> None:
     async def scenario() -> None:
-        broken = [await ScriptedReplica(f"r{i}", FAILS_BEFORE_HEAD).start()
-                  for i in range(replicas)]
-        main = pool("main", *broken, retries=retries)
+        broken = [await ScriptedReplica(f"r{i}", FAILS_BEFORE_HEAD).start() for i in range(2)]
+        main = pool("main", *broken, retries=0)
         await connected(main)
         started = time.monotonic()
         with pytest.raises(GatewayError) as info:
             await serve(UnifiedFlow(main), call(BODY, timeout_s=5))
         assert info.value.status == 503 and time.monotonic() - started < 1  # no waiting
-        tried = sum(len(r.requests) for r in broken)
-        assert tried == min(retries + 1, replicas)
+        assert info.value.code == "replica_failed"
+        assert sum(len(r.requests) for r in broken) == 1
+    run(scenario())
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["no-other-replica", "every-replica-failed"])
+def test_a_retry_waits_for_a_replica_not_tried_until_the_deadline(replicas: int) -> None:
+    """Retries left, but every listed replica failed this request: it waits for another (Serve
+    replacing one, the registry listing one it had not read yet), then 503 at its deadline."""
+    async def scenario() -> None:
+        broken = [await ScriptedReplica(f"r{i}", FAILS_BEFORE_HEAD).start()
+                  for i in range(replicas)]
+        main = pool("main", *broken, retries=2)
+        await connected(main)
+        started = time.monotonic()
+        with pytest.raises(GatewayError) as info:
+            await serve(UnifiedFlow(main), call(BODY, timeout_s=0.5))
+        assert info.value.status == 503 and info.value.code == "no_replica"
+        assert 0.5 <= time.monotonic() - started < 2
+        assert [len(r.requests) for r in broken] == [1] * replicas  # each tried once
+    run(scenario())
+
+
+@pytest.mark.parametrize("script", [FAILS_BEFORE_HEAD, FAILS_AFTER_BYTES],
+                         ids=["retried", "continued"])
+def test_a_replica_listed_after_the_failure_serves_the_request(script: list[Step]) -> None:
+    """The only listed replica fails; the registry then lists another (Serve's replacement, or
+    one the gateway had not read yet): the request goes on there, before or after bytes."""
+    async def scenario() -> None:
+        broken = await ScriptedReplica("r1", script).start()
+        main = pool("main", broken, retries=2, service=counted())
+        await connected(main)
+        request = call(BODY)
+        task = asyncio.create_task(serve(UnifiedFlow(main), request))
+        while not broken.requests:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert not task.done()  # waiting for a replica it has not tried
+        late = await ScriptedReplica("r2", DECODED).start()
+        main.update([broken.report("main"), late.report("main")])
+        assert await task == Usage(500, 2, 0)
+        assert len(late.requests) == 1 and request.stream_error is None
+        assert (late.received[0].resume is None) == (script is FAILS_BEFORE_HEAD)
     run(scenario())
 
 
@@ -337,7 +375,7 @@ def test_a_replica_the_registry_stops_listing_finishes_the_replies_it_has() -> N
         while not request.responder.started:
             await asyncio.sleep(0.01)
         main.update([])  # r1 is not listed any more
-        assert main.ready_replicas() == 0 and not main.has_replicas_besides(set())
+        assert main.ready_replicas() == 0 and not main._links
         await serving
         assert request.responder._connection.response()[2] == (
             b"data: a\n\ndata: b\n\ndata: [DONE]\n\n")
