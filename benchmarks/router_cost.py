@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from orchestrator.config import load_topology
-from pools.block_hasher import VllmBlockHasher
+from router.hashing import PrefixBlockHasher
 from pools.tokenizer import PromptTokenCounter
 from router.events import BlockStored, KVEventBatch, decode_batch
 from router.index import KVBlockIndex, ReplicaId
@@ -44,7 +44,7 @@ def build_map(rng: random.Random) -> tuple[RoutingService, list[list[bytes]], li
     replicas = [ReplicaId(f"replica-{i:03d}") for i in range(REPLICAS)]
     views = [ReplicaView(replica=r, pool="main", block_size=BLOCK) for r in replicas]
     service = RoutingService("main", build_policy("kv_aware", rng=rng), lambda: views,
-                             VllmBlockHasher, max_index_entries=2_000_000)
+                             PrefixBlockHasher, max_index_entries=2_000_000)
     service._views = {v.replica: v for v in views}  # as the follower thread would set them
     systems = [[rng.randbytes(32) for _ in range(SYSTEM_BLOCKS)] for _ in range(SYSTEMS)]
     docs = []
@@ -71,7 +71,7 @@ def time_decisions(service: RoutingService, docs: list[list[bytes]], replicas: l
 
 
 def time_tokenize_hash(model_path: str, count: int = 30) -> np.ndarray:
-    counter, hasher = PromptTokenCounter(model_path), VllmBlockHasher(BLOCK)
+    counter, hasher = PromptTokenCounter(model_path), PrefixBlockHasher(BLOCK)
     words = "the quick brown fox jumps over a lazy dog while seven green parrots sing".split()
     text = " ".join(words[i % len(words)] + str(i % 97) for i in range(6000))
     tokens = counter.prompts("completions", {"prompt": text})[0]

@@ -8,7 +8,6 @@ over the data channel (gateway.dispatch), not through Serve handles.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from typing import Any
@@ -33,6 +32,7 @@ from orchestrator.config import PoolSpec, Topology, routing_policy
 from pools.tokenizer import PromptTokenCounter
 from router.breaker import CircuitBreakers
 from router.event_sync import EventCredentials
+from router.hashing import PrefixBlockHasher
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
@@ -51,10 +51,8 @@ def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
                           max_in_flight=spec.max_in_flight, tolerance=spec.tie_tolerance)
     hash_algo = str(topology.engine_args.get("prefix_caching_hash_algo", "sha256"))
 
-    def hasher(block_size: int):
-        from pools.block_hasher import VllmBlockHasher
-
-        return VllmBlockHasher(block_size, hash_algo)
+    def hasher(block_size: int) -> PrefixBlockHasher:
+        return PrefixBlockHasher(block_size, hash_algo)
 
     return RoutingService(
         pool.name, policy, hasher, metrics,
@@ -101,9 +99,6 @@ class Gateway:
             self._directory, topology_.gateway.retries, pool.shed_waiting,
             topology_.gateway.migrate)
             for pool in topology_.pools}
-        if any(p.service.policy.uses_prefixes for p in self._pools.values()):
-            # vLLM's hashing functions: a first request must not pay for importing vLLM (seconds)
-            await asyncio.to_thread(importlib.import_module, "pools.block_hasher")
         transfers = None
         flow: Flow
         roles = {pool.name: pool.role for pool in topology_.pools}

@@ -196,12 +196,12 @@ def test_replicas_report_engine_load(deployment: Deployment, http: httpx.Client)
 
 def test_kv_events_match_router_block_hashes(deployment: Deployment, http: httpx.Client) -> None:
     """Each replica publishes BlockStored events on its endpoint, and the router's hashing of the
-    prompt (vLLM's own functions, through pools.block_hasher) gives exactly the published hashes,
+    prompt (router.hashing, vLLM's algorithm written out) gives exactly the published hashes,
     with and without a cache salt. A subscriber without the application's key, on the same
     endpoints at the same time, receives nothing."""
     import zmq
 
-    from pools.block_hasher import VllmBlockHasher
+    from router.hashing import PrefixBlockHasher
 
     context = zmq.Context()
     sockets = _subscribe_to_replicas(deployment, context)
@@ -215,7 +215,7 @@ def test_kv_events_match_router_block_hashes(deployment: Deployment, http: httpx
             prompt_ids = response.json()["choices"][0]["prompt_token_ids"]
             socket = sockets[response.headers["x-tokenfab-replica"]]
             block_size, published = _stored_hashes(socket, minimum=len(prompt_ids) // 128)
-            expected = VllmBlockHasher(block_size).block_hashes(prompt_ids, cache_salt=salt)
+            expected = PrefixBlockHasher(block_size).block_hashes(prompt_ids, cache_salt=salt)
             assert len(expected) >= 3
             assert published[:len(expected)] == expected
         for replica, socket in keyless.items():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pools.block_hasher import VllmBlockHasher
+from router.hashing import PrefixBlockHasher
 from router.index import ReplicaId
 from router.metrics import RouterMetrics
 from router.policies import build_policy
@@ -60,14 +60,14 @@ async def wait_for(condition, timeout_s: float = 5.0) -> None:
 
 
 def test_follows_replicas_ranks_by_their_blocks_and_drops_those_that_leave(publishers) -> None:
-    hasher = VllmBlockHasher(BLOCK)
+    hasher = PrefixBlockHasher(BLOCK)
     prompt = list(range(100, 100 + 4 * BLOCK))
     hashes = hasher.block_hashes(prompt)
     store(publishers[B], hashes)  # published before the router exists: recovered by replay
     time.sleep(0.2)
     views = [view(A, publishers[A]), view(B, publishers[B])]
     registry = CollectorRegistry()
-    service = RoutingService("main", build_policy("kv_aware"), VllmBlockHasher,
+    service = RoutingService("main", build_policy("kv_aware"), PrefixBlockHasher,
                              RouterMetrics(registry))
 
     async def scenario() -> None:
@@ -110,7 +110,7 @@ def test_follows_replicas_ranks_by_their_blocks_and_drops_those_that_leave(publi
 
 
 def test_policies_without_prefixes_hash_nothing_and_follow_no_events(publishers) -> None:
-    service = RoutingService("main", build_policy("round_robin"), VllmBlockHasher)
+    service = RoutingService("main", build_policy("round_robin"), PrefixBlockHasher)
 
     async def scenario() -> None:
         key = service.route_key("r", list(range(64)))  # no replica yet: no block size
@@ -128,10 +128,10 @@ def test_policies_without_prefixes_hash_nothing_and_follow_no_events(publishers)
 def test_two_ingress_replicas_build_the_same_map(publishers) -> None:
     """Each ingress process runs its own service on the same event streams: same map, same
     ranking, without talking to each other."""
-    hasher = VllmBlockHasher(BLOCK)
+    hasher = PrefixBlockHasher(BLOCK)
     prompt = list(range(500, 500 + 3 * BLOCK))
     views = [view(A, publishers[A]), view(B, publishers[B])]
-    services = [RoutingService("main", build_policy("kv_aware"), VllmBlockHasher)
+    services = [RoutingService("main", build_policy("kv_aware"), PrefixBlockHasher)
                 for _ in range(2)]
 
     async def scenario() -> None:
@@ -165,9 +165,9 @@ def test_new_conversations_fill_both_caches_after_one_slow_sample(publishers) ->
     a 4-block prompt), then a stream of new conversation roots, each answered in 50 ms wherever
     it goes. Judged on speed alone, every root goes to the other replica, and the slow one
     never gets the sample that would clear it. Both caches must fill."""
-    hasher, clock = VllmBlockHasher(BLOCK), Clock()
+    hasher, clock = PrefixBlockHasher(BLOCK), Clock()
     service = RoutingService("main", build_policy("kv_aware", rng=random.Random(0)),
-                             VllmBlockHasher, clock=clock)
+                             PrefixBlockHasher, clock=clock)
     placed: Counter[ReplicaId] = Counter()
 
     async def serve(request_id: str, prompt: list[int], replica: ReplicaId | None,
@@ -203,7 +203,7 @@ def test_a_stream_that_fails_is_followed_anew_and_the_map_rebuilt(publishers) ->
     """A batch the map cannot apply stops the replica's stream task: its map entries are cleared,
     `/ready` and `/tokenfab/router` see it restarting, and a second later it is subscribed
     again and caught up from the replica's buffer."""
-    service = RoutingService("main", build_policy("kv_aware"), VllmBlockHasher)
+    service = RoutingService("main", build_policy("kv_aware"), PrefixBlockHasher)
     index, failures = service._index, []
     apply = index.apply
 
