@@ -259,7 +259,8 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        from pools.engine_metrics import BufferedRayStatLogger
 
         engine_args = build_engine_args(self.spec)
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
@@ -268,8 +269,9 @@ class VllmEngine:
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
             # vLLM's own Prometheus series go through Ray's metrics agent on each node
-            # (ray_vllm_*, labelled with the Serve ReplicaId); ours feed routing and status.
-            stat_loggers=[self._recorder.factory, RayPrometheusStatLogger],
+            # (ray_vllm_*, labelled with the Serve ReplicaId; pools.engine_metrics); ours feed
+            # routing and status.
+            stat_loggers=[self._recorder.factory, BufferedRayStatLogger],
             disable_log_stats=False,
         )
         self._llm.generate = _traced(self._llm.generate)  # what the serving classes will call
