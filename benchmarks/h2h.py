@@ -80,7 +80,8 @@ SETUPS = (("sglang-router", "round_robin"), ("sglang-router", "cache_aware"),
           ("vllm-router", "cache_aware"), ("tokenfab", "round_robin"), ("tokenfab", "kv_aware"))
 ENGINE_PORTS, ROUTER_PORT, PROMETHEUS_PORT, GATEWAY_PORT = (8141, 8142), 8151, 8161, 8031
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6393",
-           "dashboard_url": "http://127.0.0.1:8281", "num_cpus": 2}
+           "dashboard_url": "http://127.0.0.1:8281", "num_cpus": 2,
+           "serve_control_loop_s": 0.5}  # as deploy/topologies/local.yaml
 MAX_TOKENS = 32
 RETRIES = 2  # replays repeated because processes outside the stack took the cores meanwhile
 

@@ -36,7 +36,9 @@ _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 def ray_env(cluster: ClusterSpec) -> dict[str, str]:
     """Environment for Ray processes and drivers of this cluster."""
     loopback = cluster.node_ip is not None and cluster.node_ip.startswith("127.")
-    return _ENV | (_LOOPBACK_ENV if loopback else {})
+    serve = {} if cluster.serve_control_loop_s is None else \
+        {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": f"{cluster.serve_control_loop_s:g}"}
+    return _ENV | (_LOOPBACK_ENV if loopback else {}) | serve
 
 
 def ray_executable() -> str:

@@ -292,6 +292,14 @@ class ClusterSpec(_Strict):
         description="Port of the Ray metrics agent of a head `up` starts itself, where vLLM's "
         "engine series (ray_vllm_*) are scraped; null: Ray picks one.",
     )
+    serve_control_loop_s: float | None = Field(
+        None, gt=0, le=5,
+        description="Period of Ray Serve's controller loop on a head `up` starts itself "
+        "(RAY_SERVE_CONTROL_LOOP_INTERVAL_S); null: Serve's 0.1 s. Each loop reads every node's "
+        "resources from the GCS: on a one-node head with two cores, 0.5 s cut the idle CPU of "
+        "the controller and the GCS from 6.2% to 2.9% of a core, which the engines get back. "
+        "Replica state changes are then seen up to that much later.",
+    )
 
 
 class AutoscalerSpec(_Strict):

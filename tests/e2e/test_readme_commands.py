@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from tests.conftest import leftover_processes
 
@@ -58,6 +59,10 @@ def test_main_job_serves_until_ctrl_c(pytestconfig) -> None:
                               json={"model": "tiny", "prompt": "Hello", "max_tokens": 5})
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 5
+        controller = next(p for p in psutil.process_iter(["cmdline"])
+                          if " ".join(p.info["cmdline"] or ()).startswith("ray::ServeController"))
+        # local.yaml's cluster.serve_control_loop_s reached Serve's controller through `ray start`
+        assert controller.environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == "0.5"
         os.killpg(process.pid, signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     finally:

@@ -39,3 +39,14 @@ def test_stop_ray_stops_only_the_session_it_started(tmp_path, monkeypatch) -> No
         for process in (ours, other):
             process.kill()
             process.wait()
+
+
+def test_ray_env_carries_the_serve_control_loop_period_only_when_set() -> None:
+    from orchestrator.config import ClusterSpec
+
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in cluster.ray_env(ClusterSpec())
+    env = cluster.ray_env(ClusterSpec(serve_control_loop_s=0.5))
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # a loopback head stays on lo
+    with pytest.raises(ValueError, match="serve_control_loop_s"):
+        ClusterSpec(serve_control_loop_s=0)
