@@ -27,17 +27,18 @@ class _Buffer:
         self.gauges: dict[tuple[int, tuple], tuple[Any, dict[str, str], float]] = {}
         self.counters: dict[tuple[int, tuple], tuple[Any, dict[str, str], float]] = {}
         self._flushing: asyncio.TimerHandle | None = None
+        self._flushing_on: asyncio.AbstractEventLoop | None = None
 
     def schedule(self) -> None:
         """Flush within FLUSH_S (at once outside an event loop)."""
-        if self._flushing is not None:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self.flush()
             return
-        self._flushing = loop.call_later(FLUSH_S, self.flush)
+        if self._flushing is not None and self._flushing_on is loop:
+            return  # a loop that ended before its flush left a timer that will never fire
+        self._flushing, self._flushing_on = loop.call_later(FLUSH_S, self.flush), loop
 
     def flush(self) -> None:
         self._flushing = None

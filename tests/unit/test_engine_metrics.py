@@ -53,3 +53,21 @@ def test_outside_an_event_loop_values_are_written_at_once() -> None:
     gauge.metric = Recorded(gauge.metric)
     gauge.labels("tiny").set(1)
     assert [op for op, _, _ in gauge.metric.calls] == ["set"]
+
+
+def test_a_loop_that_ended_before_its_flush_does_not_hold_back_the_next() -> None:
+    gauge = BufferedGauge("vllm:kv_cache_usage_perc", "d", ["model_name"])
+    gauge.metric = Recorded(gauge.metric)
+
+    async def step(value: float) -> None:
+        gauge.labels("tiny").set(value)
+
+    asyncio.run(step(0.5))  # ends before its flush was due
+    asyncio.run(asyncio.wait_for(step(0.25), 5))
+
+    async def next_loop() -> None:
+        gauge.labels("tiny").set(0.75)
+        await asyncio.sleep(engine_metrics.FLUSH_S + 0.2)
+
+    asyncio.run(next_loop())
+    assert [value for _, value, _ in gauge.metric.calls] == [0.75]
