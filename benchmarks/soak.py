@@ -73,10 +73,8 @@ class Stream:
         return self.text, usage.get("prompt_tokens"), usage.get("completion_tokens")
 
 
-async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any],
-                 started: asyncio.Future[Stream] | None = None) -> Stream:
-    """Send one streamed request and read it to its end. `started` gets the stream (still
-    running) at its first token."""
+async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]) -> Stream:
+    """Send one streamed request and read it to its end."""
     out = Stream(endpoint, sent=time.monotonic())
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     try:
@@ -106,8 +104,6 @@ async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any],
                         continue
                     if out.first_token is None:
                         out.first_token = time.monotonic()
-                        if started is not None:
-                            started.set_result(out)
                     out.text += piece
     except httpx.HTTPError as exc:
         out.errors.append(repr(exc))
@@ -221,10 +217,15 @@ async def kill_busiest_engine(client: httpx.AsyncClient, wait_for: int, timeout_
             return None
         await asyncio.sleep(1.0)
     victim = max(ready, key=lambda r: r["load"]["in_flight"])
-    replica = psutil.Process(victim["pid"])
-    core = next(p for p in replica.children() if p.name() == "VLLM::EngineCore")
-    core.send_signal(signal.SIGKILL)
+    kill_engine(victim["pid"])
     return victim["replica_id"]
+
+
+def kill_engine(replica_pid: int) -> None:
+    """SIGKILL the EngineCore of the pool replica whose process is `replica_pid`."""
+    core = next(p for p in psutil.Process(replica_pid).children()
+                if p.name() == "VLLM::EngineCore")
+    core.send_signal(signal.SIGKILL)
 
 
 # --- The soak ---------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -16,10 +15,9 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from benchmarks.soak import Stream, soak, stream
+from benchmarks.soak import Stream, kill_engine, soak, stream
 from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.conftest import ROOT, up
@@ -82,9 +80,7 @@ class EngineKiller(threading.Thread):
                     load = next(r["load"] for r in client.get("/tokenfab/replicas").json()
                                 if r["replica_id"] == self.victim)
                     if load["running"] >= self.running:
-                        core = next(p for p in psutil.Process(self.pid).children()
-                                    if p.name() == "VLLM::EngineCore")
-                        core.send_signal(signal.SIGKILL)
+                        kill_engine(self.pid)
                         self.seen = load
                         return
                     time.sleep(0.1)
