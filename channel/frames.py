@@ -61,6 +61,7 @@ class Request(msgspec.Struct, array_like=True, frozen=True):
     # generates the rest; the reply leaves out what was already sent (a chat stream's role
     # chunk) and counts usage as one request would.
     resume: tuple[int, ...] | None = None
+    rank: int | None = None  # the engine's data-parallel rank to run on (None: it picks)
 
 
 class Head(msgspec.Struct, array_like=True, frozen=True):

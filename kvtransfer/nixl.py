@@ -21,6 +21,11 @@ ROLE_OF_POOL: dict[str, KVRole] = {"prefill": "kv_producer", "decode": "kv_consu
 class SideChannel:
     host: str
     port: int
+    ranks: int = 1  # data-parallel rank R of the engine listens on port + R
+
+    @property
+    def ports(self) -> range:
+        return range(self.port, self.port + self.ranks)
 
     def env(self) -> dict[str, str]:
         """The variables vLLM's NixlConnector reads when the engine starts."""
@@ -40,13 +45,16 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def reserve_side_channel(host: str, rng: random.Random | None = None) -> SideChannel:
+def reserve_side_channel(host: str, rng: random.Random | None = None,
+                         ranks: int = 1) -> SideChannel:
     """A port free on `host` now, outside the kernel's ephemeral range. The engine binds it a few
     seconds later. A port from the ephemeral range (what binding port 0 gives) can be taken in
     between by any outgoing connection on the node, and then vLLM's handshake listener dies and
     its engine waits for it forever (seen in the suite: `Address already in use`, the decode
     replica stuck initialising). Outgoing connections and port-0 listeners never take a port
     outside that range, so only another listener choosing the same port at random could.
+    An engine with data-parallel ranks gets `ranks` consecutive ports (vLLM gives rank R the
+    configured port + R).
     """
     rng = rng or random.SystemRandom()
     low, high = _ephemeral_range()
@@ -54,16 +62,21 @@ def reserve_side_channel(host: str, rng: random.Random | None = None) -> SideCha
     candidates += [(high + 1, 65535)] if high < 65535 else []
     for _ in range(64 if candidates else 0):
         start, end = rng.choice(candidates)
-        port = rng.randint(start, end)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return SideChannel(host, port)
+        port = rng.randint(start, end - ranks + 1)
+        if all(_free(host, port + rank) for rank in range(ranks)):
+            return SideChannel(host, port, ranks)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # no room outside: any
         probe.bind((host, 0))
-        return SideChannel(host, probe.getsockname()[1])
+        return SideChannel(host, probe.getsockname()[1], ranks)
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def connector_config(pool_role: str, engine_id: str, use_gpu: bool) -> dict[str, Any] | None:

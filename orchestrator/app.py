@@ -42,6 +42,10 @@ def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:
         engine_args=topology.engine_args | pool.engine_args,
         kv_cache_bytes=pool.resources.kv_cache_bytes,
         gpus=pool.resources.gpus,
+        tensor=pool.parallel.tensor,
+        data=pool.parallel.data,
+        expert=pool.parallel.expert,
+        parallel_backend=pool.parallel.backend,
     )
 
 
@@ -59,6 +63,8 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
         drain_timeout_s=DRAIN_TIMEOUT_S,
         nixl_progress_delay_us=topology.disaggregation.nixl_progress_delay_us,
         max_ongoing_requests=pool.max_ongoing_requests,
+        ranks=pool.parallel.ranks,
+        data=pool.parallel.data,
     )
 
 
@@ -99,7 +105,8 @@ def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
         max_ongoing_requests=pool.max_ongoing_requests,
         ray_actor_options={
             "num_cpus": resources.cpus,
-            "num_gpus": resources.gpus,
+            # backend ray: vLLM reserves its ranks' GPUs in placement groups of its own
+            "num_gpus": 0 if pool.parallel.backend == "ray" else resources.gpus,
             "resources": dict(resources.ray_resources),
             "runtime_env": {"env_vars": REPLICA_ENV},
         },

@@ -5,6 +5,7 @@ One YAML file says which model to serve, which pools of engines run it, and how 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -30,8 +31,15 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "kv_cache_memory_bytes": "pools[].resources.kv_cache_bytes",
     "kv_events_config": "kv_events",
     "kv_transfer_config": "pools[].role",
-    "tensor_parallel_size": "pools[].resources.gpus",
+    "tensor_parallel_size": "pools[].parallel.tensor",
+    "data_parallel_size": "pools[].parallel.data",
+    "enable_expert_parallel": "pools[].parallel.expert",
+    "data_parallel_backend": "pools[].parallel.backend",
 }
+
+# config.json fields that count a mixture-of-experts model's routed experts (Mixtral and gpt-oss,
+# Qwen-MoE, DeepSeek); a dense model has none of them
+MOE_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -80,12 +88,26 @@ class ModelSpec(_Strict):
         is_local = self.path.startswith(("/", ".", "~")) or expanded.exists()
         return str(expanded.resolve()) if is_local else self.path
 
+    def is_moe(self) -> bool | None:
+        """Whether the model is a mixture of experts: from `generate`, or from the checkpoint's
+        config.json where it is on this machine; None when neither says (a hub id)."""
+        if self.generate is not None:
+            return self.generate == "tiny-moe"
+        config = Path(self.resolved_path) / "config.json"
+        try:
+            fields = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return None
+        return any((fields.get(key) or 0) > 1 for key in MOE_EXPERT_FIELDS)
+
 
 class Resources(_Strict):
     """What one replica of a pool gets."""
 
     cpus: float = Field(1.0, gt=0, description="CPU cores reserved in Ray for one replica.")
-    gpus: int = Field(0, ge=0, description="GPUs per replica; >1 means tensor parallelism.")
+    gpus: int = Field(
+        0, ge=0, description="GPUs the replica's engine uses: parallel.tensor x parallel.data "
+        "(0: CPU).")
     kv_cache_bytes: ByteSize | None = Field(
         None, description="KV cache size per replica (e.g. 256MiB). Required on CPU."
     )
@@ -117,6 +139,33 @@ class PoolTargets(_Strict):
         None, ge=0, description="Waiting requests per replica that count as a burst.")
 
 
+class ParallelSpec(_Strict):
+    """How one replica's engine is split across devices (cores on CPU, GPUs on GPU).
+
+    Each of the `data` ranks runs its own copy of attention with its own KV cache, and the router
+    places each request on a (replica, rank); `tensor` splits every rank's layers; `expert`
+    shards a mixture-of-experts model's experts across all `tensor` x `data` ranks (vLLM's
+    expert parallelism, an all-to-all every step). See README "Mixture of experts".
+    """
+
+    tensor: int = Field(1, ge=1, description="Tensor-parallel ranks of each data-parallel rank.")
+    data: int = Field(
+        1, ge=1, description="Data-parallel ranks in one replica: attention replicated, a KV cache "
+        "each, each a routing target of its own.")
+    expert: bool = Field(
+        False, description="Expert parallelism: experts sharded across all tensor x data ranks "
+        "(mixture-of-experts models only; GPU only).")
+    backend: Literal["mp", "ray"] = Field(
+        "mp", description="mp: every rank in the replica's node, beside the replica (its "
+        "resources are all ranks'). ray: vLLM places the ranks in Ray placement groups itself, "
+        "across nodes (wide expert parallelism); the replica then reserves no GPU. GPU only.")
+
+    @property
+    def ranks(self) -> int:
+        """Devices one replica's engine spans: tensor x data."""
+        return self.tensor * self.data
+
+
 class PoolSpec(_Strict):
     """A set of identical engine replicas with one role."""
 
@@ -126,6 +175,7 @@ class PoolSpec(_Strict):
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling lower bound.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
     resources: Resources = Field(default_factory=Resources)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine arguments for this pool only."
     )
@@ -157,6 +207,31 @@ class PoolSpec(_Strict):
             raise ValueError("resources.kv_cache_bytes is required on CPU (gpus: 0)")
         return self
 
+    @model_validator(mode="after")
+    def _parallel_fits(self) -> PoolSpec:
+        parallel, resources = self.parallel, self.resources
+        ranks = parallel.ranks
+        if resources.gpus and resources.gpus != ranks:
+            raise ValueError(f"resources.gpus: {resources.gpus} GPUs for parallel.tensor x "
+                             f"parallel.data = {parallel.tensor} x {parallel.data} = {ranks} "
+                             f"ranks; each rank takes one GPU")
+        if parallel.expert and ranks == 1:
+            raise ValueError("parallel.expert: expert parallelism needs more than one rank "
+                             "(parallel.tensor x parallel.data > 1)")
+        if resources.gpus == 0:
+            for field in ("expert", "backend"):
+                if getattr(parallel, field) != ParallelSpec.model_fields[field].default:
+                    raise ValueError(f"parallel.{field}: GPU only (vLLM's CPU backend has no "
+                                     f"{'expert-parallel MoE kernel' if field == 'expert' else 'Ray executor'}"
+                                     "); this pool runs on CPU (resources.gpus: 0)")
+            if resources.cpus < ranks:
+                raise ValueError(f"resources.cpus: {resources.cpus:g} for {ranks} ranks "
+                                 "(parallel.tensor x parallel.data); each rank needs a core")
+            if resources.pin_cores and int(resources.cpus) % ranks:
+                raise ValueError(f"resources.cpus: {int(resources.cpus)} pinned cores do not split "
+                                 f"evenly across {ranks} ranks (parallel.tensor x parallel.data)")
+        return self
+
 
 class RouterSpec(_Strict):
     """How the gateway picks a replica of a unified or prefill pool (decode pools: least_loaded).
@@ -180,6 +255,12 @@ class RouterSpec(_Strict):
         "prefix_approx: {approx_prefix: 1, queue: 0.5}). Scorers: prefix, approx_prefix, queue, "
         "kv_usage, ttft, cache_room.",
     )
+    dp_ranks: Literal["route", "engine"] = Field(
+        "route", description="Engines with data-parallel ranks (pools[].parallel.data > 1). "
+        "route: each rank is a routing target of its own (its KV cache, KV events and load), "
+        "and the request runs on the rank the policy chose. engine: requests are placed on "
+        "replicas only and each engine's own balancer picks the rank, unaware of prefixes (a "
+        "baseline: what a rank-agnostic router gets); the ranks' KV events are not followed.")
     max_in_flight: int = Field(
         64, ge=1, description="A replica with this many requests in flight takes no more "
         "requests while another replica has room, however much of the prompt it holds.")
@@ -400,6 +481,22 @@ class Topology(_Strict):
             if unknown:
                 raise ValueError(f"tenant {tenant.name}: models {sorted(unknown)} are not served "
                                  f"(this topology serves {self.model.name!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_matches_model(self) -> "Topology":
+        moe = self.model.is_moe()
+        for i, pool in enumerate(self.pools):
+            parallel = pool.parallel
+            if parallel.expert and moe is False:
+                raise ValueError(f"pools.{i}.parallel.expert ({pool.name}): expert parallelism "
+                                 f"needs a mixture-of-experts model; {self.model.path} is dense")
+            if moe and parallel.data > 1 and pool.resources.gpus == 0:
+                raise ValueError(
+                    f"pools.{i}.parallel.data ({pool.name}): {parallel.data} data-parallel ranks "
+                    "of a mixture-of-experts model need GPUs: vLLM's CPU backend cannot gather "
+                    "across ranks for the experts (NotImplementedError in all_gatherv); on CPU "
+                    "an MoE model runs as one rank, or split by parallel.tensor")
         return self
 
     @model_validator(mode="after")

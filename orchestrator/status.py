@@ -71,13 +71,36 @@ def collect(dashboard_url: str, app: str | None) -> tuple[list[dict[str, Any]], 
         deployment = (details.get("deployments") or {}).get(f"pool-{pool.name}") or {}
         in_map = (routed.get(pool.name) or {}).get("replicas", {})
         for replica in deployment.get("replicas") or []:
-            row = _row(pool.name, pool.role, replica, reports.get(replica["replica_id"]))
-            if replica["replica_id"] in in_map:
-                routed_replica = in_map[replica["replica_id"]]
-                row["cached_blocks"] = routed_replica["cached_blocks"]
-                row["breaker"] = routed_replica.get("breaker", "-")
-            rows.append(row)
+            report = reports.get(replica["replica_id"])
+            row = _row(pool.name, pool.role, replica, report)
+            rows.append(_routed(row, in_map))
+            for rank in (report or {}).get("ranks") or []:  # data-parallel ranks: a row each
+                rows.append(_routed(_rank_row(row, rank), in_map))
     return rows, _from_gateway(topology, "/tokenfab/pd") or {}
+
+
+def _routed(row: dict[str, Any], in_map: dict[str, Any]) -> dict[str, Any]:
+    """The row with what the router knows of its target: blocks in the map, breaker state."""
+    if row["replica"] in in_map:
+        routed = in_map[row["replica"]]
+        row["cached_blocks"] = routed["cached_blocks"]
+        row["breaker"] = routed.get("breaker", "-")
+    return row
+
+
+def _rank_row(replica_row: dict[str, Any], rank: dict[str, Any]) -> dict[str, Any]:
+    """One data-parallel rank of a replica's engine, named as the router names its target."""
+    load, queries = rank["load"], rank["load"]["prefix_cache_queries"]
+    return {key: replica_row[key] for key in ("pool", "role", "state", "node", "health")} | {
+        "replica": f"{replica_row['replica']}/dp{rank['rank']}", "rank": rank["rank"],
+        "running": load["running"], "waiting": load["waiting"],
+        "kv_usage": round(100 * load["kv_cache_usage"], 1),
+        "prefix_hit": round(100 * load["prefix_cache_hits"] / queries, 1) if queries else 0.0,
+        "kv_events_endpoint": rank["kv_events_endpoint"],
+        "prompt_tokens": {"computed": load["prompt_tokens_computed"],
+                          "local_hit": load["prompt_tokens_local_hit"],
+                          "transferred": load["prompt_tokens_transferred"]},
+    }
 
 
 def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] | None) -> dict:

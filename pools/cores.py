@@ -23,7 +23,16 @@ class CoreClaim:
     @property
     def omp_bind(self) -> str:
         """The value vLLM's CPU worker expects in VLLM_CPU_OMP_THREADS_BIND, e.g. "2,3"."""
-        return ",".join(str(core) for core in self.cores)
+        return self.omp_bind_ranks(1)
+
+    def omp_bind_ranks(self, ranks: int) -> str:
+        """The cores split evenly across an engine's `ranks` CPU workers (tensor x data), in
+        rank order, as vLLM expects them: e.g. 4 cores, 2 ranks -> "0,1|2,3"."""
+        if ranks < 1 or len(self.cores) % ranks:
+            raise ValueError(f"{len(self.cores)} cores do not split evenly across {ranks} ranks")
+        size = len(self.cores) // ranks
+        return "|".join(",".join(str(core) for core in self.cores[i:i + size])
+                        for i in range(0, len(self.cores), size))
 
     def release(self) -> None:
         for fd in self._files:

@@ -11,7 +11,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -24,9 +25,10 @@ from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
 from pools.cores import CoreClaim, claim_cores
-from pools.engine import Endpoint, EngineSpec, ReplyHead, TokenTrace, openai_error
+from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
+from pools.kv_event_ranks import rank_endpoint
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
-from pools.registry import REPORT_INTERVAL_S, ReplicaReport, get_registry
+from pools.registry import REPORT_INTERVAL_S, RankReport, ReplicaReport, get_registry
 from pools.usage import StreamMeter, usage_of, with_stream_usage
 from tokenfab.errors import EngineError
 from tokenfab.serve_replica import bind_to_node_address
@@ -52,6 +54,8 @@ class ReplicaSettings(msgspec.Struct, frozen=True):
     drain_timeout_s: float = 60.0
     nixl_progress_delay_us: int = 0
     max_ongoing_requests: int = 64  # more at once are refused (the gateway holds or reroutes)
+    ranks: int = 1  # the engine's workers: tensor x data ranks, each on its share of the cores
+    data: int = 1  # data-parallel ranks: each a routing target with its own KV cache and events
 
 
 def _ensure_generated_model(spec: EngineSpec) -> None:
@@ -61,12 +65,13 @@ def _ensure_generated_model(spec: EngineSpec) -> None:
 
 
 async def _check_listening(channel: SideChannel, timeout_s: float = 5.0) -> None:
-    try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(channel.host, channel.port), timeout_s)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise EngineError(f"NIXL side channel {channel.host}:{channel.port} unreachable: {exc}") from exc
-    writer.close()
+    for port in channel.ports:  # one per data-parallel rank
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(channel.host, port), timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise EngineError(f"NIXL side channel {channel.host}:{port} unreachable: {exc}") from exc
+        writer.close()
 
 
 class PoolReplica:
@@ -84,8 +89,9 @@ class PoolReplica:
         self._state = "starting"
         self._engine_start_s = 0.0
         self._in_flight = 0
-        self._kv_events: KVEventEndpoints | None = None
-        self._event_relay: EventRelay | None = None
+        self._rank_in_flight = [0] * settings.data
+        self._kv_events: list[KVEventEndpoints] = []  # one per data-parallel rank
+        self._event_relays: list[EventRelay] = []
         if settings.kv_events:
             spec = await self._with_kv_events(spec)
         spec = self._with_kv_transfer(spec)
@@ -116,16 +122,21 @@ class PoolReplica:
             logger.warning("no free cores to pin replica %s; the engine shares cores",
                            self._replica_id)
             return None
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = claim.omp_bind
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = claim.omp_bind_ranks(self._settings.ranks)
         return claim
 
     async def _with_kv_events(self, spec: EngineSpec) -> EngineSpec:
+        """Each data-parallel rank publishes on ipc sockets of its own (pools.kv_event_ranks);
+        with the tcp transport each rank's stream gets a relay of its own."""
         engine = engine_endpoints(socket_dir(SOCKET_DIR) / self._replica_id)
-        self._kv_events = engine
+        ranks = [KVEventEndpoints(*(rank_endpoint(endpoint, rank) for endpoint in (
+            engine.engine, engine.engine_replay, engine.public, engine.replay)))
+            for rank in range(self._settings.data)]
+        self._kv_events = ranks
         if self._settings.kv_events_transport == "tcp":
             keys = await asyncio.to_thread(event_keys, self._settings.app)
-            self._event_relay = EventRelay(engine, self._node_ip, keys).start()
-            self._kv_events = self._event_relay.endpoints
+            self._event_relays = [EventRelay(rank, self._node_ip, keys).start() for rank in ranks]
+            self._kv_events = [relay.endpoints for relay in self._event_relays]
         return msgspec.structs.replace(spec, kv_events_endpoint=engine.engine,
                                        kv_events_replay_endpoint=engine.engine_replay)
 
@@ -133,7 +144,7 @@ class PoolReplica:
         config = connector_config(self._settings.role, self._replica_id, self._settings.gpus > 0)
         if config is None:
             return spec
-        self._side_channel = reserve_side_channel(self._node_ip)
+        self._side_channel = reserve_side_channel(self._node_ip, ranks=self._settings.data)
         os.environ.update(self._side_channel.env())
         if self._node_ip.startswith("127."):  # UCX would listen on every interface otherwise
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -161,20 +172,33 @@ class PoolReplica:
         meter = StreamMeter(keep_usage, resumed=None if resume is None else len(resume))
         tracked, streaming = request.track_tokens, False
         trace = TokenTrace(resume or ()) if tracked or resume is not None else None
-        async for item in self._engine.reply(request.endpoint, body, trace):
-            if isinstance(item, ReplyHead):
-                streaming = item.streaming
-                reply.head(item.status, streaming, self._replica_id)
-            elif streaming:
-                chunk, token = meter.feed(item)
-                if chunk and token and tracked:
-                    reply.tokens(chunk, trace.take())
-                elif chunk:
-                    reply.data(chunk, token)
-            else:
-                meter.usage = usage_of(item)  # zeros for an error body
-                reply.data(item)
+        with self._counted_on(request.rank):
+            async for item in self._engine.reply(request.endpoint, body, trace, request.rank):
+                if isinstance(item, ReplyHead):
+                    streaming = item.streaming
+                    reply.head(item.status, streaming, self._replica_id)
+                elif streaming:
+                    chunk, token = meter.feed(item)
+                    if chunk and token and tracked:
+                        reply.tokens(chunk, trace.take())
+                    elif chunk:
+                        reply.data(chunk, token)
+                else:
+                    meter.usage = usage_of(item)  # zeros for an error body
+                    reply.data(item)
         reply.end(meter.usage)
+
+    @contextmanager
+    def _counted_on(self, rank: int | None) -> Iterator[None]:
+        """The request is in flight on this data-parallel rank while the block runs."""
+        counted = rank is not None and 0 <= rank < len(self._rank_in_flight)
+        if counted:
+            self._rank_in_flight[rank] += 1
+        try:
+            yield
+        finally:
+            if counted:
+                self._rank_in_flight[rank] -= 1
 
     # -- Serve handle methods ----------------------------------------------------------------
 
@@ -222,19 +246,37 @@ class PoolReplica:
     def _load(self):
         return msgspec.structs.replace(self._engine.load(), in_flight=self._in_flight)
 
+    def _ranks(self) -> list[RankReport]:
+        """Each data-parallel rank's load and event endpoints (none for a one-rank engine)."""
+        if self._settings.data == 1:
+            return []
+        loads = self._engine.rank_loads()  # one per rank once the engine has started
+        reports = []
+        for rank in range(self._settings.data):
+            load = loads[rank] if rank < len(loads) else LoadSnapshot()
+            events = self._kv_events[rank] if self._kv_events else None
+            reports.append(RankReport(
+                rank=rank, load=msgspec.structs.replace(load, in_flight=self._rank_in_flight[rank]),
+                kv_events_endpoint=events.public if events else None,
+                kv_replay_endpoint=events.replay if events else None))
+        return reports
+
     def report(self) -> ReplicaReport:
+        ranked = self._settings.data > 1
+        events = None if ranked or not self._kv_events else self._kv_events[0]
         return ReplicaReport(
             app=self._settings.app, pool=self._settings.pool, role=self._settings.role,
             replica_id=self._replica_id, node_ip=self._node_ip, pid=os.getpid(),
             cores=self._cores.cores if self._cores else [], load=self._load(),
             state="failed" if self._state == "ready" and self._engine.dead else self._state,
-            kv_events_endpoint=self._kv_events.public if self._kv_events else None,
-            kv_replay_endpoint=self._kv_events.replay if self._kv_events else None,
+            kv_events_endpoint=events.public if events else None,
+            kv_replay_endpoint=events.replay if events else None,
             block_size=self._engine.block_size, kv_blocks=self._engine.kv_blocks,
             started_s=self._started,
             side_channel=f"{self._side_channel.host}:{self._side_channel.port}"
             if self._side_channel else None,
             engine_start_s=self._engine_start_s, channel=self._channel_address,
+            ranks=self._ranks(),
         )
 
     async def _report_forever(self) -> None:
@@ -263,8 +305,8 @@ class PoolReplica:
         except ray.exceptions.RayError:
             pass
         await asyncio.to_thread(self._engine.shutdown)
-        if self._event_relay is not None:
-            await asyncio.to_thread(self._event_relay.close)
+        for relay in self._event_relays:
+            await asyncio.to_thread(relay.close)
         if self._cores:
             self._cores.release()
         if self._in_flight:

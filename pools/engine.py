@@ -24,6 +24,10 @@ class EngineSpec(msgspec.Struct, frozen=True):
     engine_args: dict[str, Any] = msgspec.field(default_factory=dict)
     kv_cache_bytes: int | None = None
     gpus: int = 0
+    tensor: int = 1  # tensor-parallel ranks of each data-parallel rank
+    data: int = 1  # data-parallel ranks: each its own KV cache and routing target
+    expert: bool = False  # experts sharded across all ranks
+    parallel_backend: str = "mp"  # "ray": vLLM places the ranks across nodes itself
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_transfer_config: dict[str, Any] | None = None  # NixlConnector settings (kvtransfer.nixl)
@@ -123,7 +127,8 @@ class Engine(Protocol):
     aborts the engine request. Errors caused by the request come back as 4xx replies, never raised;
     a dead engine raises EngineDeadError. With a `trace`, the engine adds each step's generated
     tokens and text to it before it yields the bytes that carry them, and resumes from
-    `trace.resume`.
+    `trace.resume`. With data-parallel ranks, `rank` chooses the one that runs the request
+    (None: the engine's own balancer does).
     """
 
     block_size: int  # the KV cache's block size in tokens, once started (0 before)
@@ -132,12 +137,14 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None
-              ) -> AsyncIterator[ReplyHead | bytes]: ...
+    def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
+              rank: int | None = None) -> AsyncIterator[ReplyHead | bytes]: ...
 
     async def check_health(self) -> None: ...
 
     def load(self) -> LoadSnapshot: ...
+
+    def rank_loads(self) -> list[LoadSnapshot]: ...  # per data-parallel rank, in rank order
 
     def signals(self) -> Any: ...  # autoscaler.signals.ReplicaSignals
 

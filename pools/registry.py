@@ -26,6 +26,16 @@ INGRESS_TTL_S = 15.0  # an ingress replica that has not announced itself for thi
 IDLE_EXIT_S = 300.0  # a registry nobody reported to for this long ends (its app is gone)
 
 
+class RankReport(msgspec.Struct, frozen=True):
+    """One data-parallel rank of a replica's engine: a routing target of its own, with its own
+    KV cache, event stream and load."""
+
+    rank: int
+    load: LoadSnapshot
+    kv_events_endpoint: str | None = None
+    kv_replay_endpoint: str | None = None
+
+
 class ReplicaReport(msgspec.Struct, frozen=True):
     """One replica as it describes itself."""
 
@@ -47,6 +57,9 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     engine_start_s: float = 0.0
     reported_at: float = 0.0
     channel: str | None = None  # host:port of its data channel, once the engine is ready
+    # With data-parallel ranks (more than one), each rank; `load` is then all ranks' together and
+    # the kv_events endpoints above are unset (each rank has its own)
+    ranks: list[RankReport] = msgspec.field(default_factory=list)
 
 
 class IngressReport(msgspec.Struct, frozen=True):

@@ -16,7 +16,7 @@ import msgspec
 from pydantic import ValidationError
 
 from autoscaler.signals import ReplicaSignals, Window
-from tokenfab.errors import EngineDeadError
+from tokenfab.errors import EngineDeadError, EngineError
 from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
 
 SIGNAL_WINDOW_S = 10.0  # latencies and token rates the autoscaler sees are over this window
@@ -51,8 +51,13 @@ def build_engine_args(spec: EngineSpec) -> Any:
     }
     if spec.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes
-    if spec.gpus > 1:
-        kwargs["tensor_parallel_size"] = spec.gpus
+    if spec.tensor > 1:
+        kwargs["tensor_parallel_size"] = spec.tensor
+    if spec.data > 1:
+        kwargs["data_parallel_size"] = spec.data
+        kwargs["data_parallel_backend"] = spec.parallel_backend
+    if spec.expert:
+        kwargs["enable_expert_parallel"] = True
     if spec.kv_events_endpoint is not None:
         kwargs["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True,
@@ -67,15 +72,27 @@ def build_engine_args(spec: EngineSpec) -> Any:
 
 
 class _LoadRecorder:
-    """Keeps the latest scheduler stats; vLLM calls `record` once per engine step."""
+    """Keeps the latest scheduler stats of each data-parallel rank (vLLM calls `record` once per
+    step of each rank's engine); windows of latencies and rates are the replica's, all ranks'."""
 
     def __init__(self, window_s: float = SIGNAL_WINDOW_S) -> None:
-        self.snapshot = LoadSnapshot()
+        self.ranks: dict[int, LoadSnapshot] = {0: LoadSnapshot()}  # engine index -> its load
         self._ttft, self._itl = Window(window_s), Window(window_s)
         self._prompt, self._generated = Window(window_s), Window(window_s)
         self._prefill_rate = Window(window_s)  # prompt tokens / step time, of steps that prefilled
-        self._last_step: float | None = None
-        self._busy = False  # whether the engine still had requests after the last step
+        self._last_step: dict[int, float] = {}
+        self._busy: dict[int, bool] = {}  # whether a rank still had requests after its last step
+
+    @property
+    def snapshot(self) -> LoadSnapshot:
+        """The replica's load: every rank's requests and counters summed, KV usage averaged."""
+        if len(self.ranks) == 1:
+            return next(iter(self.ranks.values()))
+        loads = list(self.ranks.values())
+        total = {field: sum(getattr(load, field) for load in loads)
+                 for field in LoadSnapshot.__struct_fields__}
+        total["kv_cache_usage"] /= len(loads)
+        return LoadSnapshot(**total)
 
     def signals(self, queued_prompt_tokens: int = 0) -> ReplicaSignals:
         """The autoscaler's view of this engine: load now, latencies and rates of the window."""
@@ -86,12 +103,14 @@ class _LoadRecorder:
             itl_p90_s=self._itl.p90(), prompt_tokens_per_s=self._prompt.rate(),
             generation_tokens_per_s=self._generated.rate(),
             queued_prompt_tokens=float(queued_prompt_tokens),
-            prefill_capacity_tokens_per_s=self._prefill_rate.p90())
+            # ranks prefill side by side: the replica's capacity is theirs together
+            prefill_capacity_tokens_per_s=self._prefill_rate.p90() * len(self.ranks))
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         recorder = self
+        recorder.ranks.setdefault(engine_index, LoadSnapshot())
 
         class _Logger(StatLoggerBase):
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -99,19 +118,19 @@ class _LoadRecorder:
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
                 if scheduler_stats is not None:
-                    recorder.update(scheduler_stats)
+                    recorder.update(scheduler_stats, engine_index)
                 if iteration_stats is not None:
-                    recorder.count_tokens(iteration_stats)
+                    recorder.count_tokens(iteration_stats, engine_index)
 
             def log_engine_initialized(self) -> None:
                 pass
 
         return _Logger(vllm_config, engine_index)
 
-    def update(self, stats: Any) -> None:
-        prefix, old = stats.prefix_cache_stats, self.snapshot
+    def update(self, stats: Any, rank: int = 0) -> None:
+        prefix, old = stats.prefix_cache_stats, self.ranks.get(rank, LoadSnapshot())
         transfers = _connector_counts(stats.kv_connector_stats)
-        self.snapshot = msgspec.structs.replace(
+        self.ranks[rank] = msgspec.structs.replace(
             old,
             running=stats.num_running_reqs,
             waiting=stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
@@ -124,23 +143,24 @@ class _LoadRecorder:
             kv_transfer_failures=old.kv_transfer_failures + transfers["failures"],
         )
 
-    def count_tokens(self, iteration: Any) -> None:
-        old, prompt = self.snapshot, iteration.prompt_token_stats
+    def count_tokens(self, iteration: Any, rank: int = 0) -> None:
+        old, prompt = self.ranks.get(rank, LoadSnapshot()), iteration.prompt_token_stats
         for seconds in iteration.time_to_first_tokens_iter:
             self._ttft.add(seconds)
         for seconds in iteration.inter_token_latencies_iter:
             self._itl.add(seconds)
         self._prompt.add(prompt.computed)
-        # While the engine has requests, steps follow each other, so the time since the previous
-        # step's output is this step's duration. After a step that left it empty, the engine
+        # While the rank has requests, steps follow each other, so the time since the previous
+        # step's output is this step's duration. After a step that left it empty, the rank
         # idled until the next request: no sample.
-        step_end, previous = iteration.iteration_timestamp, self._last_step
-        busy_before, self._busy = self._busy, self.snapshot.running + self.snapshot.waiting > 0
-        self._last_step = step_end
+        step_end, previous = iteration.iteration_timestamp, self._last_step.get(rank)
+        busy_before = self._busy.get(rank, False)
+        self._busy[rank] = old.running + old.waiting > 0
+        self._last_step[rank] = step_end
         if prompt.computed and busy_before and previous is not None and step_end > previous:
             self._prefill_rate.add(prompt.computed / (step_end - previous))
         self._generated.add(iteration.num_generation_tokens)
-        self.snapshot = msgspec.structs.replace(
+        self.ranks[rank] = msgspec.structs.replace(
             old,
             generation_tokens=old.generation_tokens + iteration.num_generation_tokens,
             prompt_tokens_computed=old.prompt_tokens_computed + prompt.computed,
@@ -186,19 +206,24 @@ def _field_names(model: type) -> frozenset[str]:
 
 _ERROR_EVENT = 'data: {"error"'  # how vLLM's serving layer ends a stream that failed
 
-# The trace of the request being served, seen by `_traced` below the serving layer. Each request
-# runs in a task of its own (the channel's, or Serve's), so a value set there is its own.
+# The trace and the data-parallel rank of the request being served, seen by `_traced` below the
+# serving layer. Each request runs in a task of its own (the channel's, or Serve's), so a value
+# set there is its own.
 _TRACE: ContextVar[TokenTrace | None] = ContextVar("tokenfab_token_trace", default=None)
+_RANK: ContextVar[int | None] = ContextVar("tokenfab_dp_rank", default=None)
 
 
 def _traced(generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    """`AsyncLLM.generate` as vLLM's serving layer calls it, with the request's TokenTrace: it
+    """`AsyncLLM.generate` as vLLM's serving layer calls it, on the request's data-parallel rank
+    (the router's choice; None: the engine's own balancer picks) and with its TokenTrace, which
     sees every output before the serving layer turns it into bytes. Untraced requests get the
     engine's own generator."""
 
     def generate_traced(prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
                         ) -> AsyncIterator[Any]:
-        trace = _TRACE.get()
+        trace, rank = _TRACE.get(), _RANK.get()
+        if rank is not None:  # what vLLM's server takes from an X-data-parallel-rank header
+            kwargs["data_parallel_rank"] = rank
         if trace is None:
             return generate(prompt, params, request_id, *args, **kwargs)
         if trace.resume:
@@ -286,10 +311,13 @@ class VllmEngine:
         self._error_type = ErrorResponse
         self._client_error = (VLLMClientError,)
 
-    async def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None
-                    ) -> AsyncIterator[ReplyHead | bytes]:
+    async def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
+                    rank: int | None = None) -> AsyncIterator[ReplyHead | bytes]:
         unknown = sorted(body.keys() - _field_names(self._requests[endpoint]))
         try:
+            if rank is not None and not 0 <= rank < self.spec.data:
+                raise EngineError(f"data-parallel rank {rank} does not exist: the engine has "
+                                  f"{self.spec.data}")
             if unknown:  # as OpenAI does; vLLM alone would ignore them silently
                 message, param = f"Unrecognized request argument supplied: {unknown[0]}", unknown[0]
             else:
@@ -305,6 +333,7 @@ class VllmEngine:
             return
         serving = self._serving[endpoint]
         _TRACE.set(trace)
+        _RANK.set(rank)
         create = serving.create_completion if endpoint == "completions" else serving.create_chat_completion
         try:
             result = await create(request, raw_request=None)
@@ -349,6 +378,10 @@ class VllmEngine:
 
     def load(self) -> LoadSnapshot:
         return self._recorder.snapshot
+
+    def rank_loads(self) -> list[LoadSnapshot]:
+        """Each data-parallel rank's load, in rank order (one entry without data parallelism)."""
+        return [load for _, load in sorted(self._recorder.ranks.items())]
 
     def signals(self) -> ReplicaSignals:
         queued = self._llm.get_num_queued_tokens() if self._llm is not None else 0

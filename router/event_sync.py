@@ -65,8 +65,9 @@ class ReplicaEventStream:
     def __init__(self, replica: ReplicaId, endpoint: str, replay_endpoint: str | None,
                  index: KVBlockIndex, context: zmq.asyncio.Context,
                  replay_timeout_s: float = 2.0,
-                 credentials: EventCredentials | None = None) -> None:
+                 credentials: EventCredentials | None = None, rank: int | None = None) -> None:
         self.replica, self.endpoint, self.replay_endpoint = replica, endpoint, replay_endpoint
+        self.rank = rank  # a data-parallel rank's stream: its batches must say that rank
         self.stats = StreamStats()
         self._index, self._context, self._replay_timeout_s = index, context, replay_timeout_s
         self._credentials = credentials
@@ -142,6 +143,11 @@ class ReplicaEventStream:
             self.stats.malformed += 1
             logger.warning("replica %s: KV event batch %d cannot be decoded: %s", self.replica,
                            seq, exc)
+            return False
+        if self.rank is not None and batch.data_parallel_rank != self.rank:
+            self.stats.malformed += 1  # the map keys blocks by (replica, rank): never mix them
+            logger.warning("replica %s: batch %d is of data-parallel rank %s, not %d", self.replica,
+                           seq, batch.data_parallel_rank, self.rank)
             return False
         self._next_seq = seq + 1
         self._index.apply(self.replica, batch)

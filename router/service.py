@@ -277,7 +277,7 @@ class RoutingService:
             self._context = zmq.asyncio.Context()
         stream = ReplicaEventStream(view.replica, view.kv_events_endpoint,
                                     view.kv_replay_endpoint, self._index, self._context,
-                                    credentials=self._event_credentials)
+                                    credentials=self._event_credentials, rank=view.rank)
         self._streams[view.replica] = stream
         task = asyncio.get_running_loop().create_task(
             stream.run(), name=f"kv-events-{self.pool}-{view.replica}")

@@ -18,8 +18,16 @@ class RouteKey(msgspec.Struct, frozen=True):
     block_hashes: list[EngineBlockHash]
 
 
+def target_id(replica: str, rank: int | None) -> ReplicaId:
+    """The routing target of a replica's engine, or of one of its data-parallel ranks (each has
+    its own KV cache, so each is a target of its own): "r1" or "r1/dp0"."""
+    return ReplicaId(replica if rank is None else f"{replica}/dp{rank}")
+
+
 class ReplicaView(msgspec.Struct, frozen=True):
-    """One replica as the registry reports it (refreshed about once a second)."""
+    """One routing target as the registry reports it (refreshed about once a second): a
+    replica's engine, or one data-parallel rank of it (`rank` set; `replica` is then
+    `target_id(host, rank)` and `host` the replica that serves it)."""
 
     replica: ReplicaId
     pool: str
@@ -33,3 +41,5 @@ class ReplicaView(msgspec.Struct, frozen=True):
     kv_usage: float = 0.0
     engine_cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     engine_prompt_tokens: int = 0  # prompt tokens the engine saw (computed + cached + pulled)
+    host: str = ""  # the replica serving a rank ("" for a replica's whole engine)
+    rank: int | None = None  # the data-parallel rank, or None: the whole engine

@@ -15,15 +15,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+import msgspec
 import ray
 
 from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
 from channel.frames import Head, Refused, Request
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
+from pools.engine import LoadSnapshot
 from pools.registry import IngressReport, ReplicaReport, get_registry
 from router.index import ReplicaId
 from router.service import RoutingService
-from router.wire import ReplicaView, RouteKey
+from router.wire import ReplicaView, RouteKey, target_id
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.dispatch")
 
@@ -33,16 +35,31 @@ RECONNECT_S = 1.0  # a lost link to a replica still reported ready is retried af
 HELD_REPORT_DELAY_S = 0.05  # changes of the held count are told to replicas at most this often
 
 
-def view_of(report: ReplicaReport) -> ReplicaView:
-    load = report.load
+def views_of(report: ReplicaReport, route_ranks: bool = True) -> list[ReplicaView]:
+    """The routing targets of a replica: its engine, or each of its data-parallel ranks (unless
+    `route_ranks` is off: then the engine's own balancer picks a rank, and the ranks' event
+    streams, numbered each on its own, are not followed)."""
+    if not report.ranks or not route_ranks:
+        if report.ranks:
+            return [_view(report, ReplicaId(report.replica_id), report.load, None, None)]
+        return [_view(report, ReplicaId(report.replica_id), report.load,
+                      report.kv_events_endpoint, report.kv_replay_endpoint)]
+    return [_view(report, target_id(report.replica_id, rank.rank), rank.load,
+                  rank.kv_events_endpoint, rank.kv_replay_endpoint, rank.rank)
+            for rank in report.ranks]
+
+
+def _view(report: ReplicaReport, target: ReplicaId, load: LoadSnapshot, events: str | None,
+          replay: str | None, rank: int | None = None) -> ReplicaView:
     return ReplicaView(
-        replica=ReplicaId(report.replica_id), pool=report.pool, state=report.state,
-        kv_events_endpoint=report.kv_events_endpoint, kv_replay_endpoint=report.kv_replay_endpoint,
+        replica=target, pool=report.pool, state=report.state,
+        kv_events_endpoint=events, kv_replay_endpoint=replay,
         block_size=report.block_size, kv_blocks=report.kv_blocks, in_flight=load.in_flight,
         waiting=load.waiting,
         kv_usage=load.kv_cache_usage, engine_cached_tokens=load.prompt_tokens_local_hit,
         engine_prompt_tokens=load.prompt_tokens_computed + load.prompt_tokens_local_hit
         + load.prompt_tokens_transferred,
+        host=report.replica_id if rank is not None else "", rank=rank,
     )
 
 
@@ -119,12 +136,16 @@ class PoolDispatcher:
     def __init__(self, pool: str, service: RoutingService, max_ongoing_requests: int,
                  secret: bytes, gateway: str, wake: Callable[[], Awaitable[None]],
                  directory: ReplicaDirectory, retries: int = 0,
-                 shed_waiting: int | None = None, migrate: bool = True) -> None:
+                 shed_waiting: int | None = None, migrate: bool = True,
+                 route_ranks: bool = True) -> None:
         self.pool, self.service, self.retries, self.migrate = pool, service, retries, migrate
+        self._route_ranks = route_ranks
         self._shed_waiting = shed_waiting
         self._max_ongoing, self._secret, self._gateway = max_ongoing_requests, secret, gateway
         self._wake, self._directory = wake, directory
-        self._links: dict[ReplicaId, ReplicaLink] = {}
+        self._links: dict[ReplicaId, ReplicaLink] = {}  # by replica
+        # routing targets (a replica's engine, or each data-parallel rank) -> replica, rank
+        self._targets: dict[ReplicaId, tuple[ReplicaId, int | None]] = {}
         self._retiring: dict[ReplicaId, ReplicaLink] = {}  # unlisted, with requests still on them
         self._changed: asyncio.Future | None = None
         self._held = 0
@@ -161,7 +182,11 @@ class PoolDispatcher:
             link = self._links.get(replica)
             if link is None or (link.state == "closed" and link.closed_for_s() > RECONNECT_S):
                 self._connect(replica, report.channel)
-        self.service.set_replicas([view_of(r) for r in reports if r.state == "ready"])
+        views = [view for r in reports if r.state == "ready"
+                 for view in views_of(r, self._route_ranks)]
+        self._targets = {view.replica: (ReplicaId(view.host) if view.rank is not None
+                                        else view.replica, view.rank) for view in views}
+        self.service.set_replicas(views)
         self._notify()
 
     def _connect(self, replica: ReplicaId, address: str) -> None:
@@ -183,13 +208,22 @@ class PoolDispatcher:
         asyncio.get_running_loop().create_task(connect(), name=f"link-{replica}")
 
     def _available(self, skip: set[ReplicaId]) -> list[ReplicaId]:
-        """Replicas that can take a request now. Those whose circuit breaker is open are left
-        out, unless that would leave none (a pool never shuts itself off entirely)."""
-        open_ = [replica for replica, link in self._links.items()
-                 if link.state == "ready" and replica not in skip
-                 and self.service.in_flight(replica) < self._max_ongoing]
-        allowed = [replica for replica in open_ if self.service.allows(replica)]
+        """Targets that can take a request now, on replicas not in `skip`. Those whose circuit
+        breaker is open are left out, unless that would leave none (a pool never shuts itself
+        off entirely)."""
+        links = self._links
+        open_ = [target for target, (replica, _) in self._targets.items()
+                 if replica not in skip and (link := links.get(replica)) is not None
+                 and link.state == "ready" and self.service.in_flight(target) < self._max_ongoing]
+        allowed = [target for target in open_ if self.service.allows(target)]
         return allowed or open_
+
+    def failed(self, replica: ReplicaId) -> None:
+        """A request failed on `replica` before it was answered: count it against each of its
+        targets (see RoutingService.failed)."""
+        targets = [t for t, (host, _) in self._targets.items() if host == replica]
+        for target in targets or [replica]:
+            self.service.failed(target)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -200,12 +234,16 @@ class PoolDispatcher:
         passes first, ReplicaFailed when the replica failed before answering."""
         if not exclude:
             self._shed_if_overloaded()
-        skip: set[ReplicaId] = set(exclude)
+        skip: set[ReplicaId] = set(exclude)  # replicas
         while True:
-            for replica in self.service.rank(key, self._available(skip)):
+            for target in self.service.rank(key, self._available(skip)):
+                replica, rank = self._targets[target]
+                if replica in skip:  # another of its ranks was refused in this turn
+                    continue
                 link = self._links[replica]
                 try:
-                    stream = link.open(request)
+                    stream = link.open(request if rank is None
+                                       else msgspec.structs.replace(request, rank=rank))
                 except LinkLost:
                     skip.add(replica)
                     continue
@@ -215,7 +253,7 @@ class PoolDispatcher:
                     self.service.finished(key.request_id)
                     raise
                 if isinstance(head, Head):
-                    self.service.dispatched(key, replica)
+                    self.service.dispatched(key, target)
                     return stream, head
                 skip.add(replica)  # refused (full or draining) or gone before answering
             self.service.finished(key.request_id)  # counted on a replica that did not take it
@@ -230,8 +268,10 @@ class PoolDispatcher:
         bound = self._shed_waiting
         if bound is None:
             return
-        ready = [replica for replica, link in self._links.items() if link.state == "ready"]
-        if ready and all(self.service.waiting(replica) >= bound for replica in ready):
+        links = self._links
+        ready = [target for target, (replica, _) in self._targets.items()
+                 if (link := links.get(replica)) is not None and link.state == "ready"]
+        if ready and all(self.service.waiting(target) >= bound for target in ready):
             raise GatewayError(503, f"pool {self.pool} is overloaded: every replica has {bound} "
                                "or more requests waiting; retry later", code=OVERLOADED,
                                retry_after_s=SHED_RETRY_AFTER_S)

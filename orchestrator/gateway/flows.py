@@ -85,7 +85,7 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
                 pool.finished(key)
                 sent += stream.ids
         except ReplicaFailed as exc:
-            pool.service.failed(exc.replica)
+            pool.failed(exc.replica)
             failed.add(exc.replica)
             retry = len(failed) <= pool.retries  # on a replica not tried yet: one listed, or
             # one that appears within the deadline (Serve replacing the failed one)

@@ -97,7 +97,7 @@ class Gateway:
             pool.name, routing_service(topology_, pool, router_metrics, credentials),
             pool.max_ongoing_requests, secret, replica_id, _waker(pools[pool.name]),
             self._directory, topology_.gateway.retries, pool.shed_waiting,
-            topology_.gateway.migrate)
+            topology_.gateway.migrate, topology_.router.dp_ranks == "route")
             for pool in topology_.pools}
         transfers = None
         flow: Flow

@@ -181,7 +181,7 @@ def test_prefill_capacity_is_measured_on_busy_steps() -> None:
     from pools.vllm_engine import _LoadRecorder
 
     def step(at: float, computed: int, running_after: int) -> None:
-        recorder.snapshot = LoadSnapshot(running=running_after)  # the step's scheduler stats
+        recorder.ranks[0] = LoadSnapshot(running=running_after)  # the step's scheduler stats
         recorder.count_tokens(SimpleNamespace(
             iteration_timestamp=at, num_generation_tokens=1,
             prompt_token_stats=SimpleNamespace(computed=computed, local_cache_hit=0,
@@ -198,6 +198,31 @@ def test_prefill_capacity_is_measured_on_busy_steps() -> None:
     signals = recorder.signals(queued_prompt_tokens=6144)
     assert signals.prefill_capacity_tokens_per_s == pytest.approx(20_480)
     assert signals.queued_prompt_tokens == 6144
+
+
+def test_a_data_parallel_engine_reports_each_rank_and_their_sum() -> None:
+    """vLLM calls each rank's stat logger with its own stats (engine_index): the replica's load
+    is their sum (KV usage their mean), and each rank's is kept for the router."""
+    from types import SimpleNamespace
+
+    from pools.vllm_engine import _LoadRecorder
+
+    def stats(running: int, usage: float, queries: int, hits: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            num_running_reqs=running, num_waiting_reqs=1, num_skipped_waiting_reqs=0,
+            kv_cache_usage=usage, kv_connector_stats=None,
+            prefix_cache_stats=SimpleNamespace(queries=queries, hits=hits))
+
+    recorder = _LoadRecorder()
+    recorder.update(stats(3, 0.5, 100, 40), rank=0)
+    recorder.update(stats(1, 0.1, 50, 50), rank=1)
+    recorder.update(stats(2, 0.25, 10, 0), rank=1)  # a later step of rank 1: its load now
+    assert [(r.running, r.prefix_cache_hits) for _, r in sorted(recorder.ranks.items())] == \
+        [(3, 40), (2, 50)]
+    total = recorder.snapshot
+    assert (total.running, total.waiting, total.prefix_cache_queries, total.prefix_cache_hits) \
+        == (5, 2, 160, 90)
+    assert total.kv_cache_usage == pytest.approx(0.375)
 
 
 def test_serve_policy_reads_serve_context_and_keeps_state() -> None:

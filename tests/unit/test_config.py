@@ -35,6 +35,9 @@ def with_pool(**fields: Any) -> dict[str, Any]:
     return doc(pools=[pool(**fields)])
 
 
+MOE = {"name": "m", "path": "/models/m", "generate": "tiny-moe"}
+
+
 def cpu(kv: Any) -> dict[str, Any]:
     return {"kv_cache_bytes": kv}
 
@@ -124,6 +127,39 @@ INVALID: list[Any] = [
     pytest.param(doc(autoscaler={"max_kv_usage": 1.5}),
                  ["autoscaler.max_kv_usage: Input should be less than or equal to 1"],
                  id="autoscaler-kv-above-one"),
+    pytest.param(with_pool(parallel={"tensor": 2, "expert": True},
+                           resources={"cpus": 2, "kv_cache_bytes": "1MiB"}),
+                 ["pools.0: parallel.expert: GPU only (vLLM's CPU backend has no expert-parallel "
+                  "MoE kernel); this pool runs on CPU (resources.gpus: 0)"], id="ep-on-cpu"),
+    pytest.param(with_pool(parallel={"data": 2, "backend": "ray"},
+                           resources={"cpus": 2, "kv_cache_bytes": "1MiB"}),
+                 ["pools.0: parallel.backend: GPU only (vLLM's CPU backend has no Ray executor); "
+                  "this pool runs on CPU (resources.gpus: 0)"], id="ray-ranks-on-cpu"),
+    pytest.param(with_pool(parallel={"expert": True}, resources={"gpus": 1}),
+                 ["pools.0: parallel.expert: expert parallelism needs more than one rank "
+                  "(parallel.tensor x parallel.data > 1)"], id="ep-one-rank"),
+    pytest.param(with_pool(parallel={"data": 2}, resources={"gpus": 1}),
+                 ["pools.0: resources.gpus: 1 GPUs for parallel.tensor x parallel.data = 1 x 2 = "
+                  "2 ranks; each rank takes one GPU"], id="gpus-not-ranks"),
+    pytest.param(with_pool(parallel={"data": 2}, resources=cpu("1MiB")),
+                 ["pools.0: resources.cpus: 1 for 2 ranks (parallel.tensor x parallel.data); "
+                  "each rank needs a core"], id="a-core-per-rank"),
+    pytest.param(with_pool(parallel={"data": 2}, resources={"cpus": 3, "kv_cache_bytes": "1MiB"}),
+                 ["pools.0: resources.cpus: 3 pinned cores do not split evenly across 2 ranks "
+                  "(parallel.tensor x parallel.data)"], id="cores-split-evenly"),
+    pytest.param(doc(model=MOE, pools=[pool(parallel={"data": 2},
+                                            resources={"cpus": 2, "kv_cache_bytes": "1MiB"})]),
+                 ["(top level): pools.0.parallel.data (main): 2 data-parallel ranks of a "
+                  "mixture-of-experts model need GPUs: vLLM's CPU backend cannot gather across "
+                  "ranks for the experts (NotImplementedError in all_gatherv); on CPU an MoE model "
+                  "runs as one rank, or split by parallel.tensor"], id="moe-ranks-on-cpu"),
+    pytest.param(doc(model=MINIMAL["model"] | {"generate": "tiny"},
+                     pools=[pool(parallel={"data": 2, "expert": True}, resources={"gpus": 2})]),
+                 ["(top level): pools.0.parallel.expert (main): expert parallelism needs a "
+                  "mixture-of-experts model; /models/m is dense"], id="ep-dense-model"),
+    pytest.param(with_pool(engine_args={"data_parallel_size": 2}),
+                 ["pools.0.engine_args: data_parallel_size is set by tokenfab: use "
+                  "pools[].parallel.data"], id="owned-dp-arg"),
     pytest.param(with_pool(role="encode", replicas=0),
                  ["pools.0.role: Input should be 'unified', 'prefill' or 'decode'",
                   "pools.0.replicas: Input should be greater than or equal to 1"], id="two-errors"),
@@ -173,3 +209,28 @@ def test_shipped_topology_values() -> None:
     gpu = load_topology(TOPOLOGIES / "gpu-llama3-8b.yaml")
     assert (local.pools[0].resources.kv_cache_bytes, local.cluster.num_cpus) == (268_435_456, 2)
     assert (gpu.pools[0].replicas, gpu.pools[0].resources.gpus, gpu.cluster.node_ip) == (2, 1, None)
+
+
+def test_parallel_shapes_that_run() -> None:
+    """Dense data-parallel ranks on CPU cores; an MoE model with data and expert parallelism on
+    GPUs, its ranks placed by vLLM across nodes."""
+    dense = parse_topology(with_pool(parallel={"data": 2}, resources={
+        "cpus": 2, "kv_cache_bytes": "1MiB"}), SOURCE).pools[0]
+    assert (dense.parallel.data, dense.parallel.ranks) == (2, 2)
+    wide = parse_topology(doc(model=MOE, pools=[pool(
+        parallel={"data": 16, "expert": True, "backend": "ray"}, resources={"gpus": 16})]),
+        SOURCE).pools[0]
+    assert (wide.parallel.ranks, wide.parallel.expert, wide.resources.gpus) == (16, True, 16)
+
+
+@pytest.mark.parametrize(("config", "moe"), [
+    ({"num_local_experts": 8}, True), ({"num_experts": 60}, True), ({"n_routed_experts": 256}, True),
+    ({"hidden_size": 256}, False), ({"num_experts": None}, False)])
+def test_model_is_moe_from_its_config(tmp_path: Path, config: dict, moe: bool) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = parse_topology(doc(model={"name": "m", "path": str(tmp_path)}), SOURCE).model
+    assert spec.is_moe() is moe
+    assert parse_topology(doc(model={"name": "m", "path": "org/hub-id"}), SOURCE).model.is_moe() \
+        is None  # nothing on this machine says

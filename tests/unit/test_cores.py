@@ -80,3 +80,14 @@ def test_child_claim_holds_until_child_exits(tmp_path: Path, claims: list[CoreCl
         child.join(timeout=30)
     assert child.exitcode == 0
     assert claim(tmp_path, len(CORES), claims) is not None
+
+
+def test_cores_split_across_an_engines_ranks(tmp_path: Path, claims: list[CoreClaim]) -> None:
+    """vLLM's CPU workers take their cores from VLLM_CPU_OMP_THREADS_BIND, one `|` group per
+    rank (tensor x data), in rank order."""
+    whole = CoreClaim([4, 5, 6, 7], [])
+    assert whole.omp_bind_ranks(1) == "4,5,6,7"
+    assert whole.omp_bind_ranks(2) == "4,5|6,7"
+    assert whole.omp_bind_ranks(4) == "4|5|6|7"
+    with pytest.raises(ValueError, match="do not split evenly across 3 ranks"):
+        whole.omp_bind_ranks(3)

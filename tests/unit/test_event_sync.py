@@ -188,3 +188,42 @@ def test_a_corrupted_batch_without_replay_clears_the_replica(tmp_path: Path) -> 
     publisher.close()
     sync_context.destroy(linger=0)
     context.destroy(linger=0)
+
+
+def test_each_data_parallel_rank_is_followed_on_its_own_endpoint(tmp_path: Path) -> None:
+    """vLLM's publisher for rank 1, configured with the replica's ipc endpoints, publishes on
+    the rank's own sockets (pools.kv_event_ranks, as loaded in every engine process); the map
+    keys its blocks by that rank's target. A stream that expects another rank takes none."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from pools.kv_event_ranks import rank_endpoint, register
+    from router.wire import target_id
+
+    register()
+    base, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    publisher = ZmqEventPublisher(data_parallel_rank=1, endpoint=base, replay_endpoint=replay)
+    assert publisher.get_publisher_config().endpoint == rank_endpoint(base, 1) == f"{base}_dp1"
+    index, context = KVBlockIndex(), zmq.asyncio.Context()
+    target, wrong = target_id("r", 1), target_id("r", 0)
+    right = ReplicaEventStream(target, rank_endpoint(base, 1), rank_endpoint(replay, 1), index,
+                               context, rank=1)
+    mixed = ReplicaEventStream(wrong, rank_endpoint(base, 1), None, index, context, rank=0)
+    try:
+        time.sleep(0.3)  # let the subscriptions reach the publisher
+        publish(publisher, [1], [2])
+        drain(right, 2)
+
+        async def poll_mixed() -> None:
+            deadline = time.monotonic() + 5
+            while mixed.stats.malformed < 1 and time.monotonic() < deadline:
+                await mixed.poll(0.1)
+
+        asyncio.run(poll_mixed())
+        assert index.longest_prefix([1, 2]) == {target: 2}  # "r/dp1", from rank 1's events
+        assert (mixed.stats.batches, index.blocks_of(wrong)) == (0, 0)
+        assert mixed.stats.malformed >= 1
+    finally:
+        right.close()
+        mixed.close()
+        publisher.shutdown()
+        context.destroy()

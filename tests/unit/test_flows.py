@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+import msgspec
+
 from channel.frames import Usage
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.errors import GatewayError
@@ -26,6 +28,8 @@ from kvtransfer.metrics import TransferMetrics
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from kvtransfer.params import REMOTE_DECODE, decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
+from pools.engine import LoadSnapshot
+from pools.registry import RankReport, ReplicaReport
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
@@ -62,16 +66,25 @@ class Client:
 
 def pool(name: str, *replicas: ScriptedReplica, policy: str = "round_robin",
          max_ongoing: int = 64, wake=None, retries: int = 0, service: RoutingService | None = None,
-         shed_waiting: int | None = None, migrate: bool = True) -> PoolDispatcher:
+         shed_waiting: int | None = None, migrate: bool = True, ranks: dict[str, int] = {},
+         route_ranks: bool = True) -> PoolDispatcher:
     service = service or RoutingService(name, build_policy(policy), lambda size: None)
 
     async def no_wake() -> None:
         pass
 
     dispatcher = PoolDispatcher(name, service, max_ongoing, SECRET, "gw", wake or no_wake,
-                                ReplicaDirectory("t"), retries, shed_waiting, migrate)
-    dispatcher.update([r.report(name) for r in replicas])
+                                ReplicaDirectory("t"), retries, shed_waiting, migrate, route_ranks)
+    dispatcher.update([with_ranks(r.report(name), ranks.get(r.name, 1)) for r in replicas])
     return dispatcher
+
+
+def with_ranks(report: ReplicaReport, ranks: int) -> ReplicaReport:
+    """The report of a replica whose engine has `ranks` data-parallel ranks."""
+    if ranks == 1:
+        return report
+    return msgspec.structs.replace(report, ranks=[
+        RankReport(rank, LoadSnapshot()) for rank in range(ranks)])
 
 
 async def connected(*pools: PoolDispatcher) -> None:
@@ -174,6 +187,45 @@ def test_a_replica_that_fails_before_any_byte_is_left_out_and_the_request_retrie
             assert request.stream_error is None
         assert 1 <= len(broken.requests) <= 4 and len(healthy.requests) == 4
         assert main.service.in_flight("r1") == main.service.in_flight("r2") == 0
+    run(scenario())
+
+
+def test_data_parallel_ranks_are_targets_and_each_request_carries_its_rank() -> None:
+    """A replica with two ranks is two routing targets on one link; the request tells the
+    replica which rank runs it. With dp_ranks `engine`, the replica is one target and its
+    engine picks."""
+    async def scenario(route_ranks: bool) -> list[int | None]:
+        replica = await ScriptedReplica("r1", DECODED).start()
+        main = pool("main", replica, ranks={"r1": 2}, route_ranks=route_ranks)
+        await connected(main)
+        for _ in range(4):
+            assert await serve(UnifiedFlow(main), call(BODY)) == Usage(500, 2, 0)
+        targets = sorted(main.service.replicas())
+        assert targets == (["r1/dp0", "r1/dp1"] if route_ranks else ["r1"])
+        return [request.rank for request in replica.received]
+
+    assert run(scenario(True)) == [0, 1, 0, 1]  # round robin over the ranks
+    assert run(scenario(False)) == [None] * 4
+
+
+def test_a_failed_replica_is_left_out_with_all_its_ranks() -> None:
+    """Its engine is dead: the retry goes to another replica, not to its other rank, and the
+    failure counts against each rank's circuit breaker."""
+    async def scenario() -> None:
+        broken = await ScriptedReplica("r1", FAILS_BEFORE_HEAD).start()
+        healthy = await ScriptedReplica("r2", DECODED).start()
+        main = pool("main", broken, healthy, retries=1, ranks={"r1": 2})
+        await connected(main)
+        for _ in range(3):
+            request = call(BODY)
+            assert await serve(UnifiedFlow(main), request) == Usage(500, 2, 0)
+            assert request.responder._connection.response()[1]["x-tokenfab-replica"] == "r2"
+        # with one retry, a second try on r1's other rank would have failed the request
+        assert 1 <= len(broken.requests) <= 3 and len(healthy.requests) == 3
+        for _ in range(3):  # breaker_failures (3 by default) more failures of r1
+            main.failed("r1")
+        breakers = {t: r["breaker"] for t, r in main.service.replicas().items()}
+        assert breakers == {"r1/dp0": "open", "r1/dp1": "open", "r2": "closed"}
     run(scenario())
 
 
@@ -605,6 +657,15 @@ def test_connector_config(role: str, gpu: bool, expected: tuple[str, str] | None
 def test_side_channel_env() -> None:
     assert SideChannel("127.0.0.2", 5601).env() == {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.2", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+
+
+def test_side_channel_of_data_parallel_ranks_is_consecutive_free_ports() -> None:
+    """vLLM gives rank R the configured port + R: all must be free."""
+    channel = reserve_side_channel("127.0.0.1", random.Random(1), ranks=3)
+    assert list(channel.ports) == [channel.port, channel.port + 1, channel.port + 2]
+    for port in channel.ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 def test_side_channel_ports_are_outside_the_ephemeral_range() -> None:
