@@ -65,6 +65,8 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
         max_ongoing_requests=pool.max_ongoing_requests,
         ranks=pool.parallel.ranks,
         data=pool.parallel.data,
+        parallel_backend=pool.parallel.backend,
+        ray_resources=dict(pool.resources.ray_resources),
     )
 
 

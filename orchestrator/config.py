@@ -497,6 +497,14 @@ class Topology(_Strict):
                     "of a mixture-of-experts model need GPUs: vLLM's CPU backend cannot gather "
                     "across ranks for the experts (NotImplementedError in all_gatherv); on CPU "
                     "an MoE model runs as one rank, or split by parallel.tensor")
+            if parallel.backend == "ray" and self.kv_events.enabled \
+                    and routing_policy(self, pool) == "kv_aware":
+                raise ValueError(
+                    f"pools.{i}.parallel.backend ({pool.name}): ray places ranks on other nodes, "
+                    "where their KV events stay (vLLM's publisher has no authentication to carry "
+                    "them off a node), so the kv_aware router could not follow them; use backend "
+                    "mp (a replica per node) for a pool routed by kv_aware, or ray for decode "
+                    "pools, which are routed by load")
         return self
 
     @model_validator(mode="after")

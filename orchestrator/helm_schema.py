@@ -30,6 +30,22 @@ WORKER_GROUP = {
         "shmSize": _QUANTITY,
         "nodeSelector": _NODE_SELECTOR,
         "tolerations": _TOLERATIONS,
+        "extraResources": {
+            "type": "object", "additionalProperties": {"type": ["integer", "string"]},
+            "description": "More device resources per pod, requested and limited alike: RDMA "
+                           "NICs for NIXL and DeepEP, e.g. {rdma/ib: 8} from an RDMA device "
+                           "plugin."},
+        "env": {
+            "type": "array", "description": "More environment of the Ray worker container "
+            "(NCCL, NVSHMEM or UCX settings for the NICs).",
+            "items": {"type": "object", "required": ["name", "value"],
+                      "additionalProperties": False,
+                      "properties": {"name": {"type": "string", "minLength": 1},
+                                     "value": {"type": "string"}}}},
+        "capabilities": {
+            "type": "array", "items": {"enum": ["IPC_LOCK", "SYS_RESOURCE"]},
+            "description": "Linux capabilities the worker container adds: IPC_LOCK lets RDMA "
+                           "register (pin) GPU and host memory."},
     },
 }
 

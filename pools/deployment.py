@@ -56,6 +56,15 @@ class ReplicaSettings(msgspec.Struct, frozen=True):
     max_ongoing_requests: int = 64  # more at once are refused (the gateway holds or reroutes)
     ranks: int = 1  # the engine's workers: tensor x data ranks, each on its share of the cores
     data: int = 1  # data-parallel ranks: each a routing target with its own KV cache and events
+    parallel_backend: str = "mp"  # "ray": vLLM places the ranks on nodes in placement groups
+    ray_resources: dict[str, float] = msgspec.field(default_factory=dict)  # the pool's own
+
+
+def nodes_offering(resources: dict[str, float], nodes: list[dict]) -> list[str]:
+    """Addresses of the alive nodes (as `ray.nodes()` lists them) that offer every one of the
+    pool's Ray custom resources: on Kubernetes, the nodes of its role's worker group."""
+    return sorted(node["NodeManagerAddress"] for node in nodes if node.get("Alive")
+                  and all(node.get("Resources", {}).get(name, 0) > 0 for name in resources))
 
 
 def _ensure_generated_model(spec: EngineSpec) -> None:
@@ -95,6 +104,10 @@ class PoolReplica:
         if settings.kv_events:
             spec = await self._with_kv_events(spec)
         spec = self._with_kv_transfer(spec)
+        if settings.parallel_backend == "ray" and settings.ray_resources:
+            # vLLM places the ranks on any node with free GPUs; keep them on the pool's nodes
+            nodes = nodes_offering(settings.ray_resources, await asyncio.to_thread(ray.nodes))
+            os.environ["VLLM_RAY_DP_PLACEMENT_NODE_IPS"] = ",".join(nodes)
         self._spec = spec
         self._engine = VllmEngine(spec)
         self._channel: ChannelServer | None = None

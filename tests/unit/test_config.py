@@ -217,10 +217,18 @@ def test_parallel_shapes_that_run() -> None:
     dense = parse_topology(with_pool(parallel={"data": 2}, resources={
         "cpus": 2, "kv_cache_bytes": "1MiB"}), SOURCE).pools[0]
     assert (dense.parallel.data, dense.parallel.ranks) == (2, 2)
-    wide = parse_topology(doc(model=MOE, pools=[pool(
-        parallel={"data": 16, "expert": True, "backend": "ray"}, resources={"gpus": 16})]),
-        SOURCE).pools[0]
+    wide = parse_topology(doc(model=MOE, pools=[
+        pool(name="prefill", role="prefill", parallel={"data": 8, "expert": True},
+             resources={"gpus": 8}),
+        pool(name="decode", role="decode", resources={"gpus": 16},
+             parallel={"data": 16, "expert": True, "backend": "ray"})]), SOURCE).pools[1]
     assert (wide.parallel.ranks, wide.parallel.expert, wide.resources.gpus) == (16, True, 16)
+    with pytest.raises(TopologyError, match=r"pools.0.parallel.backend \(main\): ray places "
+                       "ranks on other nodes, where their KV events stay"):
+        parse_topology(doc(model=MOE, pools=[pool(parallel={"data": 16, "backend": "ray"},
+                                                  resources={"gpus": 16})]), SOURCE)
+    assert parse_topology(doc(model=MOE, router={"policy": "least_loaded"}, pools=[pool(
+        parallel={"data": 16, "backend": "ray"}, resources={"gpus": 16})]), SOURCE)
 
 
 @pytest.mark.parametrize(("config", "moe"), [

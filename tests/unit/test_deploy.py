@@ -78,3 +78,18 @@ def test_autoscaled_pool_count_belongs_to_serve() -> None:
     from pools.registry import record_scale
 
     assert load_sink(kwargs["sink"]) is record_scale  # where decisions are kept
+
+
+def test_ranks_placed_by_vllm_stay_on_the_pools_nodes() -> None:
+    """With parallel.backend ray, vLLM places a replica's ranks on any node with free GPUs; the
+    replica restricts it to the nodes that offer the pool's Ray resources (its worker group)."""
+    from pools.deployment import nodes_offering
+
+    nodes = [
+        {"NodeManagerAddress": "10.0.0.3", "Alive": True, "Resources": {"GPU": 8, "tokenfab-decode": 1000}},
+        {"NodeManagerAddress": "10.0.0.2", "Alive": True, "Resources": {"GPU": 8, "tokenfab-decode": 1000}},
+        {"NodeManagerAddress": "10.0.0.4", "Alive": True, "Resources": {"GPU": 8, "tokenfab-prefill": 1000}},
+        {"NodeManagerAddress": "10.0.0.5", "Alive": False, "Resources": {"GPU": 8, "tokenfab-decode": 1000}},
+    ]
+    assert nodes_offering({"tokenfab-decode": 1}, nodes) == ["10.0.0.2", "10.0.0.3"]
+    assert nodes_offering({}, nodes) == ["10.0.0.2", "10.0.0.3", "10.0.0.4"]

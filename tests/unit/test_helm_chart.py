@@ -124,7 +124,12 @@ def test_rayservice_applies_what_tokenfab_up_applies(rendered) -> None:
         assert pool.resources.ray_resources == {f"tokenfab-{pool.role}": 1}
         group = groups[pool.role]
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert limits["nvidia.com/gpu"] >= pool.resources.gpus
+        if pool.parallel.backend == "ray":  # vLLM spreads the ranks over the group's pods
+            assert limits["nvidia.com/gpu"] >= pool.parallel.tensor
+            assert limits["nvidia.com/gpu"] * group["replicas"] >= \
+                pool.resources.gpus * pool.replicas
+        else:
+            assert limits["nvidia.com/gpu"] >= pool.resources.gpus
         assert f"tokenfab-{pool.role}" in group["rayStartParams"]["resources"]
     head = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
     service = by_kind["Service"]
@@ -232,6 +237,17 @@ MODEL = {"name": "m", "path": "org/m"}
     ({"topology": {"name": "x", "model": MODEL, "pools": [POOL]},
       "workerGroups": {"unified": GROUP | {"gpusPerPod": 0}}},
      "topology.pools[main] needs 1 GPU(s) per replica, but workerGroups.unified.gpusPerPod is 0"),
+    ({"topology": {"name": "x", "model": MODEL, "router": {"policy": "least_loaded"}, "pools": [
+        POOL | {"resources": {"cpus": 8, "gpus": 4}, "parallel": {"data": 4, "backend": "ray"}}]},
+      "workerGroups": {"unified": GROUP | {"replicas": 3}}},
+     "topology.pools[main] needs 4 GPUs across pods (parallel.backend ray), but "
+     "workerGroups.unified has 3 (replicas x gpusPerPod)"),
+    ({"topology": {"name": "x", "model": MODEL, "router": {"policy": "least_loaded"}, "pools": [
+        POOL | {"resources": {"cpus": 8, "gpus": 4},
+                "parallel": {"data": 2, "tensor": 2, "backend": "ray"}}]},
+      "workerGroups": {"unified": GROUP | {"replicas": 4}}},
+     "topology.pools[main] puts each rank's 2 GPU(s) on one pod (parallel.backend ray), but "
+     "workerGroups.unified.gpusPerPod is 1"),
     ({"topology": {"name": "x", "model": MODEL, "pools": [POOL], "router": {"policy": "fastest"}}},
      "/topology/router/policy"),
     ({"topology": {"name": "x", "model": MODEL, "pools": [POOL]}, "tenantKeys": {"a": ["plain"]}},
@@ -268,3 +284,23 @@ def test_monitors_select_every_engine_pod_and_a_port_it_has() -> None:
     assert {e["port"] for e in endpoints} <= service_ports
     assert docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= \
         service["metadata"]["labels"].items()
+
+
+def test_wide_ep_nodes_get_their_nics_and_memory_locking() -> None:
+    """The wide expert-parallel example: each role a group of whole 8-GPU nodes with their RDMA
+    NICs, IPC_LOCK for registering memory, and the NIC settings in the environment."""
+    values = yaml.safe_load((CHART / "examples/deepseek-v3-wide-ep-h200.yaml").read_text())
+    docs = {doc["kind"]: doc for doc in render(values)}
+    groups = docs["RayService"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert {g["groupName"] for g in groups} == {"prefill", "decode"}
+    for group in groups:
+        (container,) = group["template"]["spec"]["containers"]
+        for side in ("requests", "limits"):
+            assert container["resources"][side]["rdma/ib"] == "8"
+            assert container["resources"][side]["nvidia.com/gpu"] == 8
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert {"name": "NVSHMEM_IB_ENABLE_IBGDA", "value": "1"} in container["env"]
+    topology = parse_topology(yaml.safe_load(docs["ConfigMap"]["data"]["topology.yaml"]))
+    decode = topology.pool("decode")
+    assert (decode.parallel.data, decode.parallel.expert, decode.parallel.backend) == \
+        (16, True, "ray")

@@ -35,7 +35,19 @@ have.
 {{- $resources := $pool.resources | default dict -}}
 {{- $need := int ($resources.gpus | default 0) -}}
 {{- $have := int ($group.gpusPerPod | default 0) -}}
-{{- if gt $need $have -}}
+{{- $parallel := $pool.parallel | default dict -}}
+{{- if eq ($parallel.backend | default "mp") "ray" -}}
+{{- /* vLLM places the ranks across the group's pods itself: a rank's tensor group on one pod */ -}}
+{{- $tensor := int ($parallel.tensor | default 1) -}}
+{{- if gt $tensor $have -}}
+{{- fail (printf "topology.pools[%s] puts each rank's %d GPU(s) on one pod (parallel.backend ray), but workerGroups.%s.gpusPerPod is %d" $pool.name $tensor $pool.role $have) -}}
+{{- end -}}
+{{- $all := mul $need (int ($pool.replicas | default 1)) -}}
+{{- $pods := mul $have (int ($group.replicas | default 0)) -}}
+{{- if gt $all $pods -}}
+{{- fail (printf "topology.pools[%s] needs %d GPUs across pods (parallel.backend ray), but workerGroups.%s has %d (replicas x gpusPerPod)" $pool.name $all $pool.role $pods) -}}
+{{- end -}}
+{{- else if gt $need $have -}}
 {{- fail (printf "topology.pools[%s] needs %d GPU(s) per replica, but workerGroups.%s.gpusPerPod is %d" $pool.name $need $pool.role $have) -}}
 {{- end -}}
 {{- $placement := dict (printf "tokenfab-%s" $pool.role) 1 -}}
