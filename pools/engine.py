@@ -132,7 +132,7 @@ class Engine(Protocol):
     """
 
     block_size: int  # the KV cache's block size in tokens, once started (0 before)
-    kv_blocks: int  # the KV cache's capacity in blocks, once started (0 before)
+    kv_blocks: int  # the KV cache's capacity in blocks (each rank's), once started (0 before)
     dead: bool  # the engine failed and will not answer again
 
     async def start(self) -> None: ...

@@ -301,7 +301,9 @@ class VllmEngine:
         )
         self._llm.generate = _traced(self._llm.generate)  # what the serving classes will call
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
-        self.kv_blocks = vllm_config.cache_config.num_gpu_blocks or 0  # set by the engine core
+        # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
+        # (a routing target) has its own share
+        self.kv_blocks = (vllm_config.cache_config.num_gpu_blocks or 0) // self.spec.data
         args = Namespace(**(vars(frontend) | vars(engine_args)))
         state = State()
         tasks = await self._llm.get_supported_tasks()
