@@ -497,6 +497,12 @@ class Topology(_Strict):
                     "of a mixture-of-experts model need GPUs: vLLM's CPU backend cannot gather "
                     "across ranks for the experts (NotImplementedError in all_gatherv); on CPU "
                     "an MoE model runs as one rank, or split by parallel.tensor")
+            if pool.resources.gpus == 0 and (self.engine_args | pool.engine_args).get(
+                    "enable_return_routed_experts"):
+                raise ValueError(
+                    f"pools.{i}.engine_args.enable_return_routed_experts ({pool.name}): vLLM "
+                    "reports routed experts from its GPU model runner only (Model Runner V2, "
+                    "which needs Triton); this pool runs on CPU (resources.gpus: 0)")
             if parallel.backend == "ray" and self.kv_events.enabled \
                     and routing_policy(self, pool) == "kv_aware":
                 raise ValueError(

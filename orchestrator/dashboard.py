@@ -139,6 +139,19 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "{{pool}}"),
         ]),
     ]),
+    ("Mixture of experts", [
+        ("Tokens routed to each expert/s (all MoE layers)", "short", [
+            ("sum by (pool, expert) "
+             "(rate(tokenfab_replica_expert_routed_tokens_total[$__rate_interval]))",
+             "{{pool}} expert {{expert}}"),
+        ]),
+        ("Expert load balance: mean / busiest expert (1 = even)", "percentunit", [
+            ("avg by (pool) (sum by (pool, expert) "
+             "(rate(tokenfab_replica_expert_routed_tokens_total[$__rate_interval]))) / "
+             "max by (pool) (sum by (pool, expert) "
+             "(rate(tokenfab_replica_expert_routed_tokens_total[$__rate_interval])))", "{{pool}}"),
+        ]),
+    ]),
     ("Prefill/decode transfers", [
         ("Requests by path", "reqps", [
             ("sum by (path) (rate(tokenfab_pd_requests_total[$__rate_interval]))", "{{path}}"),

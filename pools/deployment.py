@@ -290,6 +290,7 @@ class PoolReplica:
             if self._side_channel else None,
             engine_start_s=self._engine_start_s, channel=self._channel_address,
             ranks=self._ranks(),
+            expert_tokens=list(self._engine.experts.tokens) if self._engine.experts else [],
         )
 
     async def _report_forever(self) -> None:

@@ -60,6 +60,9 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     # With data-parallel ranks (more than one), each rank; `load` is then all ranks' together and
     # the kv_events endpoints above are unset (each rank has its own)
     ranks: list[RankReport] = msgspec.field(default_factory=list)
+    # A mixture-of-experts engine with enable_return_routed_experts: routing decisions per expert
+    # index since it started (pools.vllm_engine.ExpertLoad); empty otherwise
+    expert_tokens: list[int] = msgspec.field(default_factory=list)
 
 
 class IngressReport(msgspec.Struct, frozen=True):

@@ -213,10 +213,32 @@ _TRACE: ContextVar[TokenTrace | None] = ContextVar("tokenfab_token_trace", defau
 _RANK: ContextVar[int | None] = ContextVar("tokenfab_dp_rank", default=None)
 
 
-def _traced(generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+class ExpertLoad:
+    """Routing decisions per expert of a mixture-of-experts engine, from the experts vLLM
+    reports each finished request was routed to (`enable_return_routed_experts`: an array of
+    token x MoE layer x top-k expert indices; vLLM's GPU model runner only). Counted per expert
+    index over all layers: with expert parallelism (and no EPLB rebalancing) index e lives on the
+    same rank in every layer, so the counts are also the all-to-all's load per rank.
+    Example: 2 tokens, 1 layer, top-2 [[[0, 3]], [[3, 1]]] -> [1, 1, 0, 2]."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def add(self, routed: Any) -> None:
+        import numpy as np
+
+        counts = np.bincount(np.asarray(routed).ravel(), minlength=len(self.tokens))
+        if len(counts) > len(self.tokens):
+            self.tokens += [0] * (len(counts) - len(self.tokens))
+        self.tokens = [total + int(n) for total, n in zip(self.tokens, counts)]
+
+
+def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None
+            ) -> Callable[..., AsyncIterator[Any]]:
     """`AsyncLLM.generate` as vLLM's serving layer calls it, on the request's data-parallel rank
     (the router's choice; None: the engine's own balancer picks) and with its TokenTrace, which
-    sees every output before the serving layer turns it into bytes. Untraced requests get the
+    sees every output before the serving layer turns it into bytes; `experts` counts the experts
+    every request was routed to. Untraced requests of an engine that counts no experts get the
     engine's own generator."""
 
     def generate_traced(prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
@@ -224,20 +246,26 @@ def _traced(generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncI
         trace, rank = _TRACE.get(), _RANK.get()
         if rank is not None:  # what vLLM's server takes from an X-data-parallel-rank header
             kwargs["data_parallel_rank"] = rank
-        if trace is None:
+        if trace is None and experts is None:
             return generate(prompt, params, request_id, *args, **kwargs)
-        if trace.resume:
+        if trace is not None and trace.resume:
             prompt, params = _resumed(prompt, params, trace.resume)
-        return _follow(generate(prompt, params, request_id, *args, **kwargs), trace)
+        return _follow(generate(prompt, params, request_id, *args, **kwargs), trace, experts)
 
     return generate_traced
 
 
-async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace) -> AsyncIterator[Any]:
+async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace | None,
+                  experts: ExpertLoad | None = None) -> AsyncIterator[Any]:
     try:
         async for output in outputs:  # DELTA outputs: the tokens and text are this step's
             choice = output.outputs[0]
-            trace.add(choice.token_ids, choice.text)
+            if trace is not None:
+                trace.add(choice.token_ids, choice.text)
+            if experts is not None and output.finished:
+                for each in output.outputs:
+                    if getattr(each, "routed_experts", None) is not None:
+                        experts.add(each.routed_experts)
             yield output
     finally:
         await outputs.aclose()  # aborts the engine request if the client left
@@ -266,6 +294,8 @@ class VllmEngine:
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
         self._recorder = _LoadRecorder()
+        self.experts = ExpertLoad() if spec.engine_args.get("enable_return_routed_experts") \
+            else None
         self._llm: Any = None
         self._serving: dict[Endpoint, Any] = {}
         self._requests: dict[Endpoint, Any] = {}
@@ -299,7 +329,7 @@ class VllmEngine:
             stat_loggers=[self._recorder.factory, BufferedRayStatLogger],
             disable_log_stats=False,
         )
-        self._llm.generate = _traced(self._llm.generate)  # what the serving classes will call
+        self._llm.generate = _traced(self._llm.generate, self.experts)  # what vLLM's serving calls
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
         # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
         # (a routing target) has its own share

@@ -56,6 +56,10 @@ class _ReplicaCollector:
         prompt = CounterMetricFamily("tokenfab_replica_prompt_tokens",
                                      "Prompt tokens by where their KV came from.",
                                      labels=[*_LABELS, "source"])
+        experts = CounterMetricFamily(
+            "tokenfab_replica_expert_routed_tokens", "Tokens routed to each expert index of a "
+            "mixture-of-experts engine, over all MoE layers (engines with "
+            "enable_return_routed_experts only).", labels=[*_LABELS, "expert"])
         states: Counter[tuple[str, str, str]] = Counter()
         for report in self._reports:
             labels = [report.pool, report.replica_id]
@@ -67,9 +71,11 @@ class _ReplicaCollector:
                 family.add_metric(labels, getattr(report.load, field))
             for source, field in _PROMPT_SOURCES.items():
                 prompt.add_metric([*labels, source], getattr(report.load, field))
+            for expert, tokens in enumerate(report.expert_tokens):
+                experts.add_metric([*labels, str(expert)], tokens)
         for (pool, role, state), count in states.items():
             replicas.add_metric([pool, role, state], count)
-        yield from (info, replicas, *gauges.values(), *counters.values(), prompt)
+        yield from (info, replicas, *gauges.values(), *counters.values(), prompt, experts)
 
 
 def render(reports: Iterable[ReplicaReport]) -> bytes:

@@ -157,6 +157,11 @@ INVALID: list[Any] = [
                      pools=[pool(parallel={"data": 2, "expert": True}, resources={"gpus": 2})]),
                  ["(top level): pools.0.parallel.expert (main): expert parallelism needs a "
                   "mixture-of-experts model; /models/m is dense"], id="ep-dense-model"),
+    pytest.param(doc(model=MOE, engine_args={"enable_return_routed_experts": True}),
+                 ["(top level): pools.0.engine_args.enable_return_routed_experts (main): vLLM "
+                  "reports routed experts from its GPU model runner only (Model Runner V2, which "
+                  "needs Triton); this pool runs on CPU (resources.gpus: 0)"],
+                 id="routed-experts-on-cpu"),
     pytest.param(with_pool(engine_args={"data_parallel_size": 2}),
                  ["pools.0.engine_args: data_parallel_size is set by tokenfab: use "
                   "pools[].parallel.data"], id="owned-dp-arg"),

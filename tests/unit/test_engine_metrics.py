@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from pools import engine_metrics
 from pools.engine_metrics import BufferedCounter, BufferedGauge
 
@@ -70,3 +72,43 @@ def test_a_loop_that_ended_before_its_flush_does_not_hold_back_the_next() -> Non
 
     asyncio.run(next_loop())
     assert [value for _, value, _ in gauge.metric.calls] == [0.75]
+
+
+def test_experts_each_finished_request_was_routed_to_are_counted_and_exported() -> None:
+    """An MoE engine with enable_return_routed_experts reports, with each finished request, the
+    expert indices of its tokens (token x layer x top-k); the replica counts them per expert and
+    the gateway exports the counts. Requests without a trace are followed for it too."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from orchestrator.gateway.pool_metrics import render
+    from pools.engine import LoadSnapshot
+    from pools.registry import ReplicaReport
+    from pools.vllm_engine import ExpertLoad, _traced
+
+    def output(finished: bool, routed=None):
+        choice = SimpleNamespace(token_ids=[7], text="x", routed_experts=routed)
+        return SimpleNamespace(outputs=[choice], finished=finished)
+
+    async def generate(prompt, params, request_id, **kwargs):
+        yield output(False)
+        yield output(True, np.array([[[0, 3], [1, 3]], [[3, 2], [0, 1]]]))  # 2 tokens, 2 layers
+
+    experts = ExpertLoad()
+    traced = _traced(generate, experts)
+
+    async def drain() -> None:
+        async for _ in traced({"prompt_token_ids": [1]}, None, "r1"):
+            pass
+
+    asyncio.run(drain())
+    asyncio.run(drain())
+    assert experts.tokens == [4, 4, 2, 6]
+    report = ReplicaReport(app="t", pool="main", role="unified", replica_id="r1",
+                           node_ip="127.0.0.1", pid=1, cores=[], state="ready",
+                           load=LoadSnapshot(), expert_tokens=experts.tokens)
+    text = render([report]).decode()
+    assert 'tokenfab_replica_expert_routed_tokens_total{ReplicaId="r1",expert="3",pool="main"} 6.0' \
+        in text
+    assert 'expert="' not in render([msgspec.structs.replace(report, expert_tokens=[])]).decode()
