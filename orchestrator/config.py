@@ -224,10 +224,10 @@ class PoolSpec(_Strict):
                     raise ValueError(f"parallel.{field}: GPU only (vLLM's CPU backend has no "
                                      f"{'expert-parallel MoE kernel' if field == 'expert' else 'Ray executor'}"
                                      "); this pool runs on CPU (resources.gpus: 0)")
-            if resources.cpus < ranks:
+            if ranks > 1 and resources.cpus < ranks:  # one rank may take a share of a core
                 raise ValueError(f"resources.cpus: {resources.cpus:g} for {ranks} ranks "
                                  "(parallel.tensor x parallel.data); each rank needs a core")
-            if resources.pin_cores and int(resources.cpus) % ranks:
+            if ranks > 1 and resources.pin_cores and int(resources.cpus) % ranks:
                 raise ValueError(f"resources.cpus: {int(resources.cpus)} pinned cores do not split "
                                  f"evenly across {ranks} ranks (parallel.tensor x parallel.data)")
         return self

@@ -237,10 +237,11 @@ class PoolDispatcher:
         skip: set[ReplicaId] = set(exclude)  # replicas
         while True:
             for target in self.service.rank(key, self._available(skip)):
-                replica, rank = self._targets[target]
-                if replica in skip:  # another of its ranks was refused in this turn
+                # the registry may have been read again while an earlier choice answered
+                replica, rank = self._targets.get(target, (None, None))
+                link = self._links.get(replica)
+                if link is None or replica in skip:  # gone, or refused in this turn
                     continue
-                link = self._links[replica]
                 try:
                     stream = link.open(request if rank is None
                                        else msgspec.structs.replace(request, rank=rank))

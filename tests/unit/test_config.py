@@ -55,6 +55,8 @@ VALID: list[Any] = [
     pytest.param(with_pool(resources=cpu("2GB")), (1, None, None, 0, 2_000_000_000), id="2GB"),
     pytest.param(with_pool(resources=cpu("1 KiB")), (1, None, None, 0, 1024), id="space-KiB"),
     pytest.param(with_pool(resources=cpu("3k")), (1, None, None, 0, 3000), id="bare-k"),
+    pytest.param(with_pool(resources={"cpus": 0.5, "kv_cache_bytes": "1MiB"}),
+                 (1, None, None, 0, 1_048_576), id="half-a-cpu"),
 ]
 
 
