@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import time
 import sys
@@ -24,6 +25,13 @@ from orchestrator.config import Topology, load_topology
 from orchestrator.status import gateway_url
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# Where this user has a Ray token (~/.ray/auth_token: Ray 2.60 writes one the first time a bare
+# `ray.init()` starts a local cluster), `ray start` turns token authentication on for every head
+# it starts, but `ray.init(address=...)` and `ray job submit` send the token only in token mode:
+# say so, for this process and the ones it starts, or they are refused ("InvalidAuthToken").
+if cluster.ray_auth_headers():
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
 TOPOLOGY = ROOT / "tests/integration/topology.yaml"
 TOKENFAB = str(Path(sys.executable).with_name("tokenfab"))
 
