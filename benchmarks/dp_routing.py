@@ -24,20 +24,17 @@ About 10 minutes on 2 cores. Writes benchmarks/results/dp_routing.json and dp_ro
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from harness import deployed, remove
 from machine import prioritise_client
-from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
-from routing import ROOT_SHARE, SAMPLE_SEED, TRACE, replay, replays, summarize, warm_up
-from traces import BLOCK_TOKENS, Prompts, lru_hit_rate, sample_by_root, single_token_words, \
-    upper_bound_hit_rate
+from routing import (ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica, replay_rate,
+                     summarize, sweep)
+from traces import BLOCK_TOKENS, sample_by_root, single_token_words, upper_bound_hit_rate
 
 RESULTS = Path(__file__).parent / "results"
 PLACEMENTS = {"rank_aware": "route", "engine_balancer": "engine"}  # -> router.dp_ranks
@@ -65,11 +62,6 @@ def rank_prompt_tokens(gateway: str) -> list[int]:
     [replica] = httpx.get(f"{gateway}/tokenfab/replicas", timeout=10, trust_env=False).json()
     return [rank["load"]["prompt_tokens_computed"] + rank["load"]["prompt_tokens_local_hit"]
             + rank["load"]["prompt_tokens_transferred"] for rank in replica["ranks"]]
-
-
-def kv_blocks_per_rank(gateway: str) -> int:
-    [replica] = httpx.get(f"{gateway}/tokenfab/replicas", timeout=10, trust_env=False).json()
-    return replica["kv_blocks"]
 
 
 def markdown(result: dict[str, Any], args: argparse.Namespace, sampled: int) -> str:
@@ -136,33 +128,18 @@ def main() -> None:
     words = single_token_words(next(iter(specs.values())).model.resolved_path)
     result: dict[str, Any] = {"upper_bound_hit_rate": upper_bound_hit_rate(requests),
                               "scheduling": scheduling, "records": []}
-    cluster.start_head(next(iter(specs.values())).cluster)
-    try:
-        for placement, spec in specs.items():
-            print(f"{placement}: deploying")
-            gateway = deployed(spec)
-            if "kv_blocks_per_rank" not in result:
-                blocks = result["kv_blocks_per_rank"] = kv_blocks_per_rank(gateway)
-                result["single_lru_hit_rate"] = lru_hit_rate(requests, blocks)
-                result["two_cache_hit_rate"] = lru_hit_rate(requests, 2 * blocks)
-            base = f"{gateway}/v1"
-            print(f"{placement}: warm-up, requests per replica {warm_up(base, requests, words)}")
-            for index, rate in enumerate(rates):
-                results, before = [], rank_prompt_tokens(gateway)
-                for repeat in range(replays(len(requests), rate, args.min_replay_s)):
-                    prompts = Prompts(words, 1 + index * 100 + repeat)  # cold for each replay
-                    for row in asyncio.run(replay(base, requests, prompts, rate)):
-                        results.append(row | {"replay": repeat})
-                seen = [a - b for a, b in zip(rank_prompt_tokens(gateway), before)]
-                record = summarize(placement, rate, results)
-                del record["busiest_replica_share"]  # one replica: its ranks say more
-                record["busiest_rank_share"] = max(seen) / sum(seen) if sum(seen) else 0.0
-                record["rank_prompt_tokens"] = seen
-                result["records"].append(record)
-                print(json.dumps(record))
-            remove(spec)
-    finally:
-        cluster.stop_ray(next(iter(specs.values())).cluster.dashboard_url)
+    # the replica's kv_blocks are each rank's (routing.kv_blocks_per_replica reads them)
+    for placement, gateway, index, rate in sweep(specs, requests, words, rates, result,
+                                                 "kv_blocks_per_rank", kv_blocks_per_replica):
+        before = rank_prompt_tokens(gateway)
+        results = replay_rate(gateway, requests, words, index, rate, args.min_replay_s)
+        seen = [a - b for a, b in zip(rank_prompt_tokens(gateway), before)]
+        record = summarize(placement, rate, results)
+        del record["busiest_replica_share"]  # one replica: its ranks say more
+        record["busiest_rank_share"] = max(seen) / sum(seen) if sum(seen) else 0.0
+        record["rank_prompt_tokens"] = seen
+        result["records"].append(record)
+        print(json.dumps(record))
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from collections import Counter
+from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -119,6 +120,44 @@ def warm_up(base_url: str, requests: list[dict[str, Any]], words: list[str]) -> 
     if bad:
         raise RuntimeError(f"warm-up failed: {bad[0]['status']} {bad[0]['error']}")
     return dict(Counter(r["replica"] for r in results))
+
+
+def sweep(specs: dict[str, Topology], requests: list[dict[str, Any]], words: list[str],
+          rates: list[float], result: dict[str, Any], capacity_key: str,
+          capacity: Callable[[str], int]) -> Iterator[tuple[str, str, int, float]]:
+    """Each topology in turn on a local head of its own: deployed, the sample's hit-rate bounds
+    put in `result` for the first one's cache (`capacity(gateway)` blocks, under
+    `capacity_key`), warmed up; then (name, gateway, rate index, rate) for each rate, which the
+    caller replays (`replay_rate`) and records. Removed after its rates; the head stops at the
+    end."""
+    cluster.start_head(next(iter(specs.values())).cluster)
+    try:
+        for name, spec in specs.items():
+            print(f"{name}: deploying")
+            gateway = deployed(spec)
+            if capacity_key not in result:
+                blocks = result[capacity_key] = capacity(gateway)
+                result["single_lru_hit_rate"] = lru_hit_rate(requests, blocks)
+                result["two_cache_hit_rate"] = lru_hit_rate(requests, 2 * blocks)
+            print(f"{name}: warm-up, requests per replica "
+                  f"{warm_up(f'{gateway}/v1', requests, words)}")
+            for index, rate in enumerate(rates):
+                yield name, gateway, index, rate
+            remove(spec)
+    finally:
+        cluster.stop_ray(next(iter(specs.values())).cluster.dashboard_url)
+
+
+def replay_rate(gateway: str, requests: list[dict[str, Any]], words: list[str], index: int,
+                rate: float, min_replay_s: float) -> list[dict[str, Any]]:
+    """The sample replayed at `rate` for at least `min_replay_s` (see `replays`), each replay
+    in words of its own (cold caches); one row per request, numbered by replay."""
+    results = []
+    for repeat in range(replays(len(requests), rate, min_replay_s)):
+        prompts = Prompts(words, 1 + index * 100 + repeat)
+        for row in asyncio.run(replay(f"{gateway}/v1", requests, prompts, rate)):
+            results.append(row | {"replay": repeat})
+    return results
 
 
 def replays(requests: int, rate: float, min_replay_s: float) -> int:
@@ -254,32 +293,15 @@ def main() -> None:
     words = single_token_words(next(iter(specs.values())).model.resolved_path)
     result: dict[str, Any] = {"upper_bound_hit_rate": upper_bound_hit_rate(requests),
                               "scheduling": scheduling, "records": []}
-    cluster.start_head(next(iter(specs.values())).cluster)
-    try:
-        for policy, spec in specs.items():
-            print(f"{policy}: deploying")
-            gateway = deployed(spec)
-            if "kv_blocks_per_replica" not in result:
-                blocks = result["kv_blocks_per_replica"] = kv_blocks_per_replica(gateway)
-                result["single_lru_hit_rate"] = lru_hit_rate(requests, blocks)
-                result["two_cache_hit_rate"] = lru_hit_rate(requests, 2 * blocks)
-            base = f"{gateway}/v1"
-            print(f"{policy}: warm-up, requests per replica {warm_up(base, requests, words)}")
-            for index, rate in enumerate(rates):
-                results = []
-                for repeat in range(replays(len(requests), rate, args.min_replay_s)):
-                    prompts = Prompts(words, 1 + index * 100 + repeat)  # cold for each replay
-                    for row in asyncio.run(replay(base, requests, prompts, rate)):
-                        results.append(row | {"replay": repeat})
-                result["records"].append(summarize(policy, rate, results))
-                if args.raw:
-                    raw = Path(args.raw) / f"{policy}-{rate:g}.json"
-                    raw.parent.mkdir(parents=True, exist_ok=True)
-                    raw.write_text(json.dumps(results))
-                print(json.dumps(result["records"][-1]))
-            remove(spec)
-    finally:
-        cluster.stop_ray(next(iter(specs.values())).cluster.dashboard_url)
+    for policy, gateway, index, rate in sweep(specs, requests, words, rates, result,
+                                              "kv_blocks_per_replica", kv_blocks_per_replica):
+        results = replay_rate(gateway, requests, words, index, rate, args.min_replay_s)
+        result["records"].append(summarize(policy, rate, results))
+        if args.raw:
+            raw = Path(args.raw) / f"{policy}-{rate:g}.json"
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            raw.write_text(json.dumps(results))
+        print(json.dumps(result["records"][-1]))
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

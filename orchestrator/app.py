@@ -41,7 +41,6 @@ def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:
         max_model_len=model.max_model_len,
         engine_args=topology.engine_args | pool.engine_args,
         kv_cache_bytes=pool.resources.kv_cache_bytes,
-        gpus=pool.resources.gpus,
         tensor=pool.parallel.tensor,
         data=pool.parallel.data,
         expert=pool.parallel.expert,

@@ -90,17 +90,9 @@ def _routed(row: dict[str, Any], in_map: dict[str, Any]) -> dict[str, Any]:
 
 def _rank_row(replica_row: dict[str, Any], rank: dict[str, Any]) -> dict[str, Any]:
     """One data-parallel rank of a replica's engine, named as the router names its target."""
-    load, queries = rank["load"], rank["load"]["prefix_cache_queries"]
     return {key: replica_row[key] for key in ("pool", "role", "state", "node", "health")} | {
         "replica": f"{replica_row['replica']}/dp{rank['rank']}", "rank": rank["rank"],
-        "running": load["running"], "waiting": load["waiting"],
-        "kv_usage": round(100 * load["kv_cache_usage"], 1),
-        "prefix_hit": round(100 * load["prefix_cache_hits"] / queries, 1) if queries else 0.0,
-        "kv_events_endpoint": rank["kv_events_endpoint"],
-        "prompt_tokens": {"computed": load["prompt_tokens_computed"],
-                          "local_hit": load["prompt_tokens_local_hit"],
-                          "transferred": load["prompt_tokens_transferred"]},
-    }
+        "kv_events_endpoint": rank["kv_events_endpoint"]} | _load_columns(rank["load"])
 
 
 def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] | None) -> dict:
@@ -111,12 +103,8 @@ def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] |
     }
     if report is not None:
         load = report["load"]
-        queries = load["prefix_cache_queries"]
-        row |= {
+        row |= _load_columns(load) | {
             "cores": ",".join(map(str, report["cores"])) or "-",
-            "running": load["running"], "waiting": load["waiting"],
-            "kv_usage": round(100 * load["kv_cache_usage"], 1),
-            "prefix_hit": round(100 * load["prefix_cache_hits"] / queries, 1) if queries else 0.0,
             "engine": report["state"], "engine_start_s": round(report["engine_start_s"], 1),
             "health": "engine failed" if report["state"] == "failed" else row["health"],
             "kv_events_endpoint": report["kv_events_endpoint"],
@@ -124,11 +112,21 @@ def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] |
             "kv_transfers": load["kv_transfers"],
             "kv_transfer_bytes": load["kv_transfer_bytes"],
             "kv_transfer_failures": load["kv_transfer_failures"],
-            "prompt_tokens": {"computed": load["prompt_tokens_computed"],
-                              "local_hit": load["prompt_tokens_local_hit"],
-                              "transferred": load["prompt_tokens_transferred"]},
         }
     return row
+
+
+def _load_columns(load: dict[str, Any]) -> dict[str, Any]:
+    """What a replica's or a rank's engine reports of its requests, cache and prompt tokens."""
+    queries = load["prefix_cache_queries"]
+    return {
+        "running": load["running"], "waiting": load["waiting"],
+        "kv_usage": round(100 * load["kv_cache_usage"], 1),
+        "prefix_hit": round(100 * load["prefix_cache_hits"] / queries, 1) if queries else 0.0,
+        "prompt_tokens": {"computed": load["prompt_tokens_computed"],
+                          "local_hit": load["prompt_tokens_local_hit"],
+                          "transferred": load["prompt_tokens_transferred"]},
+    }
 
 
 def render(rows: list[dict[str, Any]]) -> str:

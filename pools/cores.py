@@ -20,14 +20,10 @@ class CoreClaim:
     cores: list[int]
     _files: list[int]
 
-    @property
-    def omp_bind(self) -> str:
-        """The value vLLM's CPU worker expects in VLLM_CPU_OMP_THREADS_BIND, e.g. "2,3"."""
-        return self.omp_bind_ranks(1)
-
     def omp_bind_ranks(self, ranks: int) -> str:
-        """The cores split evenly across an engine's `ranks` CPU workers (tensor x data), in
-        rank order, as vLLM expects them: e.g. 4 cores, 2 ranks -> "0,1|2,3"."""
+        """VLLM_CPU_OMP_THREADS_BIND: the cores split evenly across an engine's `ranks` CPU
+        workers (tensor x data), in rank order, e.g. 4 cores, 2 ranks -> "0,1|2,3"; one rank,
+        "0,1,2,3"."""
         if ranks < 1 or len(self.cores) % ranks:
             raise ValueError(f"{len(self.cores)} cores do not split evenly across {ranks} ranks")
         size = len(self.cores) // ranks

@@ -23,7 +23,6 @@ class EngineSpec(msgspec.Struct, frozen=True):
     max_model_len: int = 2048
     engine_args: dict[str, Any] = msgspec.field(default_factory=dict)
     kv_cache_bytes: int | None = None
-    gpus: int = 0
     tensor: int = 1  # tensor-parallel ranks of each data-parallel rank
     data: int = 1  # data-parallel ranks: each its own KV cache and routing target
     expert: bool = False  # experts sharded across all ranks

@@ -228,9 +228,8 @@ class ExpertLoad:
         import numpy as np
 
         counts = np.bincount(np.asarray(routed).ravel(), minlength=len(self.tokens))
-        if len(counts) > len(self.tokens):
-            self.tokens += [0] * (len(counts) - len(self.tokens))
-        self.tokens = [total + int(n) for total, n in zip(self.tokens, counts)]
+        counts[:len(self.tokens)] += np.asarray(self.tokens, dtype=counts.dtype)
+        self.tokens = counts.tolist()
 
 
 def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None
@@ -345,11 +344,11 @@ class VllmEngine:
 
     async def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
                     rank: int | None = None) -> AsyncIterator[ReplyHead | bytes]:
+        if rank is not None and not 0 <= rank < self.spec.data:  # a router's mistake, not the client's
+            raise EngineError(f"data-parallel rank {rank} does not exist: the engine has "
+                              f"{self.spec.data}")
         unknown = sorted(body.keys() - _field_names(self._requests[endpoint]))
         try:
-            if rank is not None and not 0 <= rank < self.spec.data:
-                raise EngineError(f"data-parallel rank {rank} does not exist: the engine has "
-                                  f"{self.spec.data}")
             if unknown:  # as OpenAI does; vLLM alone would ignore them silently
                 message, param = f"Unrecognized request argument supplied: {unknown[0]}", unknown[0]
             else:

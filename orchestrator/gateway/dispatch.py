@@ -39,11 +39,11 @@ def views_of(report: ReplicaReport, route_ranks: bool = True) -> list[ReplicaVie
     """The routing targets of a replica: its engine, or each of its data-parallel ranks (unless
     `route_ranks` is off: then the engine's own balancer picks a rank, and the ranks' event
     streams, numbered each on its own, are not followed)."""
-    if not report.ranks or not route_ranks:
-        if report.ranks:
-            return [_view(report, ReplicaId(report.replica_id), report.load, None, None)]
+    if not report.ranks:
         return [_view(report, ReplicaId(report.replica_id), report.load,
                       report.kv_events_endpoint, report.kv_replay_endpoint)]
+    if not route_ranks:
+        return [_view(report, ReplicaId(report.replica_id), report.load, None, None)]
     return [_view(report, target_id(report.replica_id, rank.rank), rank.load,
                   rank.kv_events_endpoint, rank.kv_replay_endpoint, rank.rank)
             for rank in report.ranks]

@@ -41,7 +41,7 @@ def test_claims_in_one_process_exclude_each_other(tmp_path: Path, claims: list[C
 def test_claim_all_cores_at_once(tmp_path: Path, claims: list[CoreClaim]) -> None:
     whole = claim(tmp_path, len(CORES), claims)
     assert whole is not None
-    assert (whole.cores, whole.omp_bind) == (CORES, ",".join(map(str, CORES)))
+    assert (whole.cores, whole.omp_bind_ranks(1)) == (CORES, ",".join(map(str, CORES)))
     assert claim(tmp_path, 1, claims) is None
 
 
@@ -82,7 +82,7 @@ def test_child_claim_holds_until_child_exits(tmp_path: Path, claims: list[CoreCl
     assert claim(tmp_path, len(CORES), claims) is not None
 
 
-def test_cores_split_across_an_engines_ranks(tmp_path: Path, claims: list[CoreClaim]) -> None:
+def test_cores_split_across_an_engines_ranks() -> None:
     """vLLM's CPU workers take their cores from VLLM_CPU_OMP_THREADS_BIND, one `|` group per
     rank (tensor x data), in rank order."""
     whole = CoreClaim([4, 5, 6, 7], [])
