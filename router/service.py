@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from router.breaker import CircuitBreakers
 from router.event_sync import EventCredentials, ReplicaEventStream
+from router.events import KVEventBatch
 from router.hashing import BlockHasher
 from router.index import BYTES_PER_ENTRY, DEFAULT_MAX_ENTRIES, KVBlockIndex, ReplicaId
 from router.load import CacheChurn, DispatchHistory, LoadTracker
@@ -271,6 +272,11 @@ class RoutingService:
                 if view.kv_events_endpoint and view.replica not in self._tasks:
                     self._follow(view)
         self._record_view_metrics()
+
+    def apply_events(self, replica: ReplicaId, batch: KVEventBatch) -> None:
+        """Apply a batch of the replica's KV events that reached this service by another route
+        than a stream it follows (the simulator's engines); in publication order per replica."""
+        self._index.apply(replica, batch)
 
     def _follow(self, view: ReplicaView) -> None:
         if self._context is None:

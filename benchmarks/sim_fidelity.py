@@ -1,0 +1,187 @@
+"""The simulator against the real thing: the same trace window through 2 real replicas (the routing
+benchmark's setup) and through the simulator, calibrated in the same run.
+
+1. A local head; the routing benchmark's topology (2 unified replicas of the tiny model, one
+   pinned core each, 24MiB KV cache, block 32) for round_robin, deployed, timed (the replica
+   start latency) and warmed up.
+2. `sim.calibrate` probes it through its gateway and fits the step-time law: the `cpu-tiny`
+   profile, written to sim/profiles/cpu-tiny.json.
+3. Each policy replays the routing benchmark's sample at each rate (`routing.replay_rate`: cold
+   caches, repeats of the sample for at least --min-replay-s of arrivals).
+4. The simulator replays the same requests, replays and rates with the fitted profile and
+   tokenfab's real router.
+
+    .venv/bin/python benchmarks/sim_fidelity.py [--rates 2,10] [--policies round_robin,kv_aware]
+
+Writes benchmarks/results/sim_fidelity.{json,md}: for each policy, rate and metric (TTFT p50,
+TTFT p90, hit rate) the simulated and the real value and their relative error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from machine import prioritise_client
+from routing import (RESULTS, ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica, replay_rate,
+                     replays, summarize, sweep, topology)
+from traces import BLOCK_TOKENS, MAX_BLOCKS, sample_by_root, single_token_words, upper_bound_hit_rate
+
+from sim import params as profiles
+from sim import workload
+from sim.calibrate import calibrate
+from sim.run import replay
+
+METRICS = ("ttft_p50_s", "ttft_p90_s", "hit_rate")
+MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS = 2048, 128  # vLLM's CPU defaults for its API server
+
+
+def output_tokens(row: dict[str, Any]) -> int:
+    return max(1, min(32, row["output_length"] // 8))  # as routing.replay sends max_tokens
+
+
+def simulate(params: profiles.EngineParams, policy: str, rows: list[dict[str, Any]],
+             index: int, rate: float, min_replay_s: float) -> dict[str, Any]:
+    """The routing benchmark's replays of `rows` at `rate`, in the simulator."""
+
+    def make(repeat: int, start: float) -> list:
+        return workload.requests(rows, rate, tokens_per_id=BLOCK_TOKENS,
+                                 block_size=params.block_size,
+                                 max_prompt_tokens=MAX_BLOCKS * BLOCK_TOKENS + 1,
+                                 output_tokens=output_tokens, start=start, exact_ids=True,
+                                 namespace=1 + index * 100 + repeat)
+
+    return replay(params, policy, 2, make, replays(len(rows), rate, min_replay_s))
+
+
+def compare(real: dict[str, Any], sim: dict[str, Any], policy: str, rate: float) -> list[dict]:
+    return [{"policy": policy, "load": f"{rate:g} req/s", "metric": m, "sim": sim[m],
+             "real": real[m], "rel_err": (sim[m] - real[m]) / real[m] if real[m] else 0.0}
+            for m in METRICS]
+
+
+def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
+    p = result["profile"]
+    lines = [
+        "# Simulator fidelity: simulated against real replicas", "",
+        f"`python benchmarks/sim_fidelity.py --rates {args.rates} --policies {args.policies}`: "
+        f"{result['requests']} requests of the routing benchmark's sample (infinite-cache hit "
+        f"rate {result['bound_hit_rate']:.3f}), 2 replicas of the tiny model (one pinned core "
+        f"each, {p['kv_blocks']} KV blocks of {p['block_size']} tokens), then the same replays in "
+        "the simulator with tokenfab's real router. Run took "
+        f"{result['wall_s'] / 60:.1f} min.", "",
+        f"Profile fitted in this run ({result['observations']} probes, median fit error "
+        f"{result['fit_error']:.1%}): step = {p['step_base_s'] * 1e3:.2f} ms "
+        f"+ {p['per_token_s'] * 1e6:.1f} us/token + {p['per_seq_s'] * 1e6:.1f} us/request "
+        f"+ {p['per_kv_token_s'] * 1e9:.1f} ns/KV token + {p['per_attn_pair_s'] * 1e12:.2f} "
+        f"ps/attention pair; request overhead {p['request_overhead_s'] * 1e3:.1f} ms; replica "
+        f"start {p['start_latency_s']:.0f} s.", "",
+        "| policy | load | metric | simulated | real | error |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in result["fidelity"]:
+        lines.append(f"| {r['policy']} | {r['load']} | {r['metric']} | {r['sim']:.3f} | "
+                     f"{r['real']:.3f} | {r['rel_err']:+.1%} |")
+    worst = max(result["fidelity"], key=lambda r: abs(r["rel_err"]))
+    within = sum(abs(r["rel_err"]) <= 0.15 for r in result["fidelity"])
+    lines += ["", f"{within} of {len(result['fidelity'])} within ±15%; the largest error: "
+              f"{worst['policy']} {worst['load']} {worst['metric']} {worst['rel_err']:+.1%}.", ""]
+    lines += ["Per record (real, then simulated):", "",
+              "| policy | load | side | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | hit rate "
+              "| output tok/s | requests |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for rec in result["records"]:
+        for side in ("real", "sim"):
+            r = rec[side]
+            lines.append(f"| {rec['policy']} | {rec['load']} | {side} | {r['ttft_p50_s']:.3f} | "
+                         f"{r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['hit_rate']:.3f} | "
+                         f"{r['output_tok_s']:.1f} | {r['requests']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="2,10")
+    parser.add_argument("--policies", default="round_robin,kv_aware")
+    parser.add_argument("--kv-cache", default="24MiB")
+    parser.add_argument("--min-replay-s", type=float, default=60.0)
+    parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    parser.add_argument("--calibration-repeats", type=int, default=3)
+    parser.add_argument("--profile-out", default=str(profiles.PROFILES / "cpu-tiny.json"))
+    parser.add_argument("--out", default=str(RESULTS / "sim_fidelity.json"))
+    parser.add_argument("--raw", default="", help="directory for per-request records")
+    args = parser.parse_args()
+    began = time.monotonic()
+    prioritise_client(-10)
+    rates = [float(r) for r in args.rates.split(",")]
+    rows = sample_by_root(TRACE, ROOT_SHARE, SAMPLE_SEED)
+    if args.limit:
+        rows = rows[:args.limit]
+    specs = {p: topology(p, args.kv_cache) for p in args.policies.split(",")}
+    first = next(iter(specs.values()))
+    words = single_token_words(first.model.resolved_path)
+    result: dict[str, Any] = {"bound_hit_rate": upper_bound_hit_rate(rows), "requests": len(rows),
+                              "records": [], "fidelity": []}
+    deploy_s: dict[str, float] = {}
+    real: dict[tuple[str, float], dict[str, Any]] = {}
+    started = time.monotonic()
+
+    def capacity(gateway: str) -> int:
+        deploy_s["first"] = time.monotonic() - started  # head up, 2 replicas deployed in parallel
+        return kv_blocks_per_replica(gateway)
+
+    params = None
+    for policy, gateway, index, rate in sweep(specs, rows, words, rates, result,
+                                              "kv_blocks_per_replica", capacity):
+        if params is None:
+            print("calibrating")
+            params, error, observations = calibrate(
+                f"{gateway}/v1", first.model.name, words, block_size=BLOCK_TOKENS,
+                kv_blocks=result["kv_blocks_per_replica"],
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
+                max_model_len=first.model.max_model_len, start_latency_s=deploy_s["first"],
+                name="cpu-tiny", repeats=args.calibration_repeats)
+            result.update(fit_error=error, observations=len(observations),
+                          calibration=[vars(o) for o in observations])
+            print(f"profile: {params}")
+        results = replay_rate(gateway, rows, words, index, rate, args.min_replay_s)
+        real[(policy, rate)] = summarize(policy, rate, results)
+        if args.raw:
+            _write(Path(args.raw) / f"real-{policy}-{rate:g}.json", results)
+        print("real", json.dumps(real[(policy, rate)]))
+    for (policy, rate), measured in real.items():
+        index = rates.index(rate)
+        simulated = simulate(params, policy, rows, index, rate, args.min_replay_s)
+        if args.raw:
+            _write(Path(args.raw) / f"sim-{policy}-{rate:g}.json", simulated.pop("per_request"))
+        simulated.pop("per_request", None)
+        print("sim", json.dumps(simulated))
+        result["records"].append({"policy": policy, "load": f"{rate:g} req/s",
+                                  "real": measured, "sim": simulated})
+        result["fidelity"] += compare(measured, simulated, policy, rate)
+    result["profile"] = json.loads(json.dumps(params, default=_struct))
+    result["wall_s"] = time.monotonic() - began
+    Path(args.profile_out).parent.mkdir(parents=True, exist_ok=True)
+    profiles.dump(params, Path(args.profile_out))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result, args))
+    print(out.with_suffix(".md").read_text())
+
+
+def _write(path: Path, rows: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows))
+
+
+def _struct(value: Any) -> Any:
+    import msgspec
+
+    return msgspec.to_builtins(value)
+
+
+if __name__ == "__main__":
+    main()

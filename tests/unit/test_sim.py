@@ -1,0 +1,189 @@
+"""The simulator: vLLM's block pool order, the scheduler's steps, fast-forwarded decode equal to
+step-by-step decode, preemption, the calibration fit, and the real router inside it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sim import workload
+from sim.calibrate import FEATURES, Observation, fit
+from sim.cluster import SimCluster
+from sim.engine import SimEngine, SimRequest
+from sim.kvcache import BlockPool
+from sim.loop import EventLoop
+from sim.params import EngineParams, load
+from sim.run import replay
+
+PARAMS = EngineParams(name="test", block_size=4, kv_blocks=64, max_num_batched_tokens=16,
+                      max_num_seqs=8, max_model_len=256, step_base_s=0.010, per_token_s=0.001,
+                      per_seq_s=0.0005, per_kv_token_s=0.0001, request_overhead_s=0.002)
+
+
+def engine(params: EngineParams = PARAMS, fast_forward: bool = True):
+    loop, events, firsts, ends = EventLoop(), [], [], []
+    e = SimEngine(loop, params, "e", events.append, firsts.append, ends.append,
+                  fast_forward=fast_forward)
+    return loop, e, events, firsts, ends
+
+
+def request(rid: str, at: float, prompt: int, hashes: list[int], out: int) -> SimRequest:
+    return SimRequest(rid, at, prompt, hashes, out)
+
+
+def test_loop_runs_in_time_then_schedule_order() -> None:
+    loop, seen = EventLoop(), []
+    loop.at(2.0, lambda: seen.append("late"))
+    loop.at(1.0, lambda: seen.append("a"))
+    loop.at(1.0, lambda: seen.append("b"))
+    loop.run()
+    assert seen == ["a", "b", "late"] and loop.now == 2.0
+    with pytest.raises(ValueError, match="before now"):
+        loop.at(1.5, lambda: None)
+
+
+def test_block_pool_evicts_in_vllms_order() -> None:
+    # vLLM's free queue: never-used blocks first, then freed ones, a request's tail first
+    pool = BlockPool(5)
+    blocks = pool.allocate(3)
+    assert blocks == [0, 1, 2]
+    for block, h in zip(blocks, (11, 12, 13)):
+        pool.cache(block, h)
+    pool.free(blocks)
+    assert pool.take_events() == [(True, 11), (True, 12), (True, 13)]
+    assert pool.cached_prefix([11, 12, 13, 99]) == [0, 1, 2]
+    assert pool.allocate(2) == [3, 4]  # the empty ones before any cached block
+    assert pool.allocate(1) == [2] and pool.take_events() == [(False, 13)]  # tail first
+    assert pool.cached_prefix([11, 12, 13]) == [0, 1]
+    pool.touch([0])  # a hit takes it out of the queue: 1 is next
+    assert pool.allocate(1) == [1] and pool.take_events() == [(False, 12)]
+    assert pool.allocate(1) is None and pool.free_blocks == 0
+
+
+def test_prefix_hit_computes_only_the_rest_and_events_carry_the_blocks() -> None:
+    loop, e, events, firsts, ends = engine()
+    first = request("a", 0.0, 13, [1, 2, 3], 2)  # 3 full blocks + 1 token
+    loop.at(0.0, lambda: e.add(first))
+    loop.run()
+    # one prefill step of 13 tokens, then one decode step
+    prefill = PARAMS.step_s(13, 1, 13, 13 * 13 / 2)
+    assert first.first_token == pytest.approx(prefill)
+    assert events[0] == [(True, 1), (True, 2), (True, 3)]
+    again = request("b", loop.now, 13, [1, 2, 3], 1)
+    loop.at(loop.now, lambda: e.add(again))
+    loop.run()
+    assert again.cached_tokens == 12  # its 3 blocks; at least one token is computed
+    assert again.first_token - again.engine_arrival == pytest.approx(
+        PARAMS.step_s(1, 1, 13, 1 * (12 + 0.5)))
+    assert [r.request_id for r in ends] == ["a", "b"]
+
+
+def test_chunked_prefill_takes_budget_sized_steps() -> None:
+    loop, e, _, firsts, _ = engine()
+    long = request("a", 0.0, 40, [], 1)  # budget 16: 16 + 16 + 8
+    loop.at(0.0, lambda: e.add(long))
+    loop.run()
+    steps = [PARAMS.step_s(16, 1, 16, 16 * 8), PARAMS.step_s(16, 1, 32, 16 * 24),
+             PARAMS.step_s(8, 1, 40, 8 * 36)]
+    assert long.first_token == pytest.approx(sum(steps)) and e.steps == 3
+
+
+def scenario(fast_forward: bool) -> list[tuple[float | None, float | None, int]]:
+    loop, e, *_ = engine(fast_forward=fast_forward)
+    rng = random.Random(3)
+    reqs = [request(f"r{i}", rng.uniform(0, 1.0), rng.randint(1, 30),
+                    [rng.randint(0, 3)], rng.randint(1, 40)) for i in range(12)]
+    for r in reqs:
+        loop.at(r.arrival, lambda r=r: e.add(r))
+    loop.run()
+    return [(r.first_token, r.finished, r.cached_tokens) for r in reqs]
+
+
+def test_fast_forwarded_decode_equals_step_by_step() -> None:
+    fast, slow = scenario(True), scenario(False)
+    assert all(f[0] is not None and f[1] is not None for f in fast)
+    for (f_first, f_end, f_hit), (s_first, s_end, s_hit) in zip(fast, slow):
+        assert f_first == pytest.approx(s_first, abs=1e-9)
+        assert f_end == pytest.approx(s_end, abs=1e-9)
+        assert f_hit == s_hit
+
+
+def test_preemption_recomputes_and_everything_ends() -> None:
+    loop, e, *_ = engine(PARAMS.with_kv_blocks(6))
+    a, b = request("a", 0.0, 8, [1, 2], 12), request("b", 0.0, 8, [3, 4], 12)
+    for r in (a, b):
+        loop.at(0.0, lambda r=r: e.add(r))
+    loop.run()
+    # two requests of 5 blocks each at the end do not fit in 6: one was preempted
+    assert a.finished is not None and b.finished is not None
+    assert a.preemptions + b.preemptions >= 1
+    assert e.pool.free_blocks == 6 and not e.running and not e.waiting
+
+
+def test_calibration_fit_recovers_the_law() -> None:
+    truth = dict(zip(FEATURES, (0.004, 0.008, 5e-5, 3e-4, 1e-7, 2e-8, 0.001)))
+    rng = random.Random(0)
+    observations = []
+    for _ in range(60):
+        o = Observation(rng.random() < 0.5, rng.randint(1, 2000), rng.randint(1, 32),
+                        rng.randint(1, 30000), rng.randint(1, 2_000_000), 0.0,
+                        streams=rng.randint(0, 8))
+        o.seconds = sum(c * x for c, x in zip(truth.values(), o.row()))
+        observations.append(o)
+    fitted = fit(observations)
+    for name, value in truth.items():
+        assert fitted[name] == pytest.approx(value, rel=1e-6)
+
+
+def test_workload_chains_hashes_like_prompts_share_prefixes() -> None:
+    a = workload.block_hashes([7, 9], 4, tokens_per_id=32, block_size=16)
+    b = workload.block_hashes([7, 8], 4, tokens_per_id=32, block_size=16)
+    assert a[:2] == b[:2] and a[2] != b[2] and len(set(a)) == 4
+    assert workload.block_hashes([7], 2, 32, 16, namespace=1)[0] != a[0]
+    rows = [{"timestamp": 0, "hash_ids": [1]}, {"timestamp": 1000, "hash_ids": [2]}]
+    tiled = workload.tile(rows, 3, seed=0)
+    assert len(tiled) == 6 and len({tuple(r["hash_ids"]) for r in tiled}) == 6
+
+
+def shared_prefix_requests(n: int, start: float = 0.0) -> list[SimRequest]:
+    """n requests, one every 50 ms, on 5 prefixes of 8 blocks each."""
+    return [request(f"q{i}", start + 0.05 * i, 33,
+                    workload.block_hashes([i % 5], 8, 32, 4), 4) for i in range(n)]
+
+
+def test_real_router_places_by_prefix_through_simulated_events() -> None:
+    results = {policy: replay(PARAMS, policy, 4, lambda i, start: shared_prefix_requests(40,
+                                                                                        start))
+               for policy in ("round_robin", "kv_aware")}
+    rr, kv = results["round_robin"], results["kv_aware"]
+    assert rr["unfinished"] == kv["unfinished"] == 0
+    # round robin over 4 replicas spreads each of the 5 prefixes over all of them (20 misses of
+    # 40); kv_aware follows the blocks the engines reported (5 misses)
+    assert rr["hit_rate"] == pytest.approx(20 / 40 * 32 / 33)
+    assert kv["hit_rate"] == pytest.approx(35 / 40 * 32 / 33)
+    assert kv["index_entries_peak"] > 0 and rr["index_entries_peak"] == 0
+    assert kv["decision_p99_ms"] > 0
+
+
+def test_held_requests_wait_for_room_and_scaled_replicas_start_late() -> None:
+    loop = EventLoop()
+    sim = SimCluster(loop, PARAMS, "round_robin", 1, max_ongoing_requests=1)
+    reqs = shared_prefix_requests(3)
+    sim.submit(reqs)
+    added = sim.add_replica()
+    assert sim.count("starting") == 1
+    loop.run()
+    assert len(sim.finished) == 3
+    assert all(r.replica == "r0" for r in reqs)  # r1 starts after PARAMS.start_latency_s
+    assert sim.replicas[added].state == "ready"
+
+
+def test_profiles_load_and_name_what_is_wrong(tmp_path) -> None:
+    assert load("h100-llama-3.1-8b").block_size == 16
+    with pytest.raises(ValueError, match="no such file"):
+        load("no-such-profile")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "block_size": "16"}')
+    with pytest.raises(ValueError, match="block_size"):
+        load(bad)
