@@ -4,8 +4,11 @@ benchmark's setup) and through the simulator, calibrated in the same run.
 1. A local head; the routing benchmark's topology (2 unified replicas of the tiny model, one
    pinned core each, 24MiB KV cache, block 32) for round_robin, deployed, timed (the replica
    start latency) and warmed up.
-2. `sim.calibrate` probes it through its gateway and fits the step-time law: the `cpu-tiny`
-   profile, written to sim/profiles/cpu-tiny.json.
+2. `sim.calibrate` probes it through its gateway and fits the step-time law; then a calibration
+   replay of other conversations of the trace (roots the window does not have) at
+   --calibration-rate fits the law's scale under load and the request overhead
+   (`sim.calibrate.fit_to_replay`): the `cpu-tiny` profile, written to
+   sim/profiles/cpu-tiny.json.
 3. Each policy replays the routing benchmark's sample at each rate (`routing.replay_rate`: cold
    caches, repeats of the sample for at least --min-replay-s of arrivals).
 4. The simulator replays the same requests, replays and rates with the fitted profile and
@@ -32,7 +35,7 @@ from traces import BLOCK_TOKENS, MAX_BLOCKS, sample_by_root, single_token_words,
 
 from sim import params as profiles
 from sim import workload
-from sim.calibrate import calibrate
+from sim.calibrate import calibrate, fit_to_replay
 from sim.run import replay
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "hit_rate")
@@ -57,6 +60,29 @@ def simulate(params: profiles.EngineParams, policy: str, rows: list[dict[str, An
     return replay(params, policy, 2, make, replays(len(rows), rate, min_replay_s))
 
 
+def calibration_rows(window: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Conversations of the trace the window does not have (another seed's roots)."""
+    roots = {row["hash_ids"][0] for row in window}
+    return [row for row in sample_by_root(TRACE, ROOT_SHARE, SAMPLE_SEED + 1)
+            if row["hash_ids"][0] not in roots]
+
+
+def fit_deployment(probed: profiles.EngineParams, policy: str, gateway: str,
+                   rows: list[dict[str, Any]], words: list[str],
+                   rate: float) -> tuple[profiles.EngineParams, dict[str, Any]]:
+    """The probed law scaled to a calibration replay of other conversations on this deployment
+    (the machine's speed drifts between deployments)."""
+    extra = calibration_rows(rows)
+    measured = summarize(policy, rate, replay_rate(gateway, extra, words, 50, rate, 0.0))
+    params, scale, error = fit_to_replay(
+        probed, lambda p: simulate(p, policy, extra, 50, rate, 0.0), measured)
+    print(f"{policy}: fitted to the calibration replay: step scale {scale:.2f}, overhead "
+          f"{params.request_overhead_s * 1e3:.1f} ms")
+    return params, {"requests": len(extra), "rate_rps": rate, "real": measured,
+                    "step_scale": scale, "request_overhead_s": params.request_overhead_s,
+                    "squared_log_error": error}
+
+
 def compare(real: dict[str, Any], sim: dict[str, Any], policy: str, rate: float) -> list[dict]:
     return [{"policy": policy, "load": f"{rate:g} req/s", "metric": m, "sim": sim[m],
              "real": real[m], "rel_err": (sim[m] - real[m]) / real[m] if real[m] else 0.0}
@@ -73,12 +99,24 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"each, {p['kv_blocks']} KV blocks of {p['block_size']} tokens), then the same replays in "
         "the simulator with tokenfab's real router. Run took "
         f"{result['wall_s'] / 60:.1f} min.", "",
-        f"Profile fitted in this run ({result['observations']} probes, median fit error "
-        f"{result['fit_error']:.1%}): step = {p['step_base_s'] * 1e3:.2f} ms "
+        f"The law fitted to {result['observations']} probes of an idle replica (median fit "
+        f"error {result['fit_error']:.1%}), as scaled for the first deployment below and "
+        "written to sim/profiles/cpu-tiny.json: step = {p['step_base_s'] * 1e3:.2f} ms "
         f"+ {p['per_token_s'] * 1e6:.1f} us/token + {p['per_seq_s'] * 1e6:.1f} us/request "
         f"+ {p['per_kv_token_s'] * 1e9:.1f} ns/KV token + {p['per_attn_pair_s'] * 1e12:.2f} "
         f"ps/attention pair; request overhead {p['request_overhead_s'] * 1e3:.1f} ms; replica "
         f"start {p['start_latency_s']:.0f} s.", "",
+        "Then, on each deployment before its measured replays, a calibration replay of other "
+        "conversations of the trace (roots the window does not have) scales the law and sets "
+        "the request overhead (`sim.calibrate.fit_to_replay`):", "",
+    ]
+    for policy, c in result["calibration_replay"].items():
+        lines.append(f"- {policy}: {c['requests']} requests at {c['rate_rps']:g} req/s, real "
+                     f"TTFT p50 {c['real']['ttft_p50_s']:.3f} s, p90 {c['real']['ttft_p90_s']:.3f}"
+                     f" s: step terms x{c['step_scale']:.2f}, overhead "
+                     f"{c['request_overhead_s'] * 1e3:.1f} ms")
+    lines += [
+        "",
         "| policy | load | metric | simulated | real | error |",
         "|---|---|---|---:|---:|---:|",
     ]
@@ -109,6 +147,7 @@ def main() -> None:
     parser.add_argument("--min-replay-s", type=float, default=60.0)
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--calibration-repeats", type=int, default=3)
+    parser.add_argument("--calibration-rate", type=float, default=6.0)
     parser.add_argument("--profile-out", default=str(profiles.PROFILES / "cpu-tiny.json"))
     parser.add_argument("--out", default=str(RESULTS / "sim_fidelity.json"))
     parser.add_argument("--raw", default="", help="directory for per-request records")
@@ -132,20 +171,23 @@ def main() -> None:
         deploy_s["first"] = time.monotonic() - started  # head up, 2 replicas deployed in parallel
         return kv_blocks_per_replica(gateway)
 
-    params = None
+    probed, fitted = None, {}
     for policy, gateway, index, rate in sweep(specs, rows, words, rates, result,
                                               "kv_blocks_per_replica", capacity):
-        if params is None:
+        if probed is None:
             print("calibrating")
-            params, error, observations = calibrate(
+            probed, error, observations = calibrate(
                 f"{gateway}/v1", first.model.name, words, block_size=BLOCK_TOKENS,
                 kv_blocks=result["kv_blocks_per_replica"],
                 max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
                 max_model_len=first.model.max_model_len, start_latency_s=deploy_s["first"],
                 name="cpu-tiny", repeats=args.calibration_repeats)
             result.update(fit_error=error, observations=len(observations),
-                          calibration=[vars(o) for o in observations])
-            print(f"profile: {params}")
+                          calibration=[vars(o) for o in observations], calibration_replay={})
+            print(f"probed: {probed}")
+        if policy not in fitted:  # this deployment, just before its measured replays
+            fitted[policy], result["calibration_replay"][policy] = fit_deployment(
+                probed, policy, gateway, rows, words, args.calibration_rate)
         results = replay_rate(gateway, rows, words, index, rate, args.min_replay_s)
         real[(policy, rate)] = summarize(policy, rate, results)
         if args.raw:
@@ -153,7 +195,7 @@ def main() -> None:
         print("real", json.dumps(real[(policy, rate)]))
     for (policy, rate), measured in real.items():
         index = rates.index(rate)
-        simulated = simulate(params, policy, rows, index, rate, args.min_replay_s)
+        simulated = simulate(fitted[policy], policy, rows, index, rate, args.min_replay_s)
         if args.raw:
             _write(Path(args.raw) / f"sim-{policy}-{rate:g}.json", simulated.pop("per_request"))
         simulated.pop("per_request", None)
@@ -161,6 +203,7 @@ def main() -> None:
         result["records"].append({"policy": policy, "load": f"{rate:g} req/s",
                                   "real": measured, "sim": simulated})
         result["fidelity"] += compare(measured, simulated, policy, rate)
+    params = fitted[next(iter(specs))]
     result["profile"] = json.loads(json.dumps(params, default=_struct))
     result["wall_s"] = time.monotonic() - began
     Path(args.profile_out).parent.mkdir(parents=True, exist_ok=True)

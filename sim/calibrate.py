@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 
 from sim.params import EngineParams
@@ -114,10 +117,13 @@ class Prober:
         out = [_ttft(alone, alone["prompt_tokens"], 0), _decode(alone, [alone["prompt_tokens"]])]
         if blocks >= 4:  # the same prompt but its last quarter: a prefill over a cached prefix
             keep = blocks - blocks // 4
-            again = await self.one(client, prompt[:keep * self.block] + self.fresh(blocks - keep),
-                                   2)
-            if again["cached"]:
-                out.append(_ttft(again, again["prompt_tokens"] - again["cached"], again["cached"]))
+            for _ in range(2):  # a round-robin gateway sends one of two to the replica that has it
+                again = await self.one(client, prompt[:keep * self.block]
+                                       + self.fresh(blocks - keep), 2)
+                if again["cached"]:
+                    out.append(_ttft(again, again["prompt_tokens"] - again["cached"],
+                                     again["cached"]))
+                    break
         return out
 
     async def _batch(self, client: httpx.AsyncClient, n: int, tokens: int) -> list[Observation]:
@@ -191,11 +197,15 @@ def fit(observations: list[Observation]) -> dict[str, float]:
 
 def fit_error(observations: list[Observation], coef: dict[str, float]) -> float:
     """Median relative error of the fitted law on the observations."""
+    ratios = _log_ratios(observations, coef)
+    return float(np.median(np.abs(np.expm1(ratios))))
+
+
+def _log_ratios(observations: list[Observation], coef: dict[str, float]) -> np.ndarray:
     observations = [o for o in observations if o.seconds >= MIN_OBSERVED_S]
     x = np.array([o.row() for o in observations])
-    predicted = x @ np.array([coef[f] for f in FEATURES])
-    actual = np.array([o.seconds for o in observations])
-    return float(np.median(np.abs(predicted - actual) / actual))
+    predicted = np.maximum(x @ np.array([coef[f] for f in FEATURES]), 1e-6)
+    return np.log(np.array([o.seconds for o in observations]) / predicted)
 
 
 def profile(name: str, coef: dict[str, float], *, block_size: int, kv_blocks: int,
@@ -229,3 +239,35 @@ def calibrate(base_url: str, model: str, words: list[str], *, block_size: int, k
                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                      max_model_len=max_model_len, start_latency_s=start_latency_s, source=source)
     return params, fit_error(observations, coef), observations
+
+
+STEP_SCALES = [0.8 + 0.1 * i for i in range(23)]  # 0.8 .. 3.0
+OVERHEADS_S = [0.0025 * i for i in range(1, 21)]  # 2.5 .. 50 ms
+
+
+def scaled(params: EngineParams, step_scale: float, overhead_s: float) -> EngineParams:
+    """The profile with every step-time term times `step_scale`, and `overhead_s` per request."""
+    return msgspec.structs.replace(
+        params, step_base_s=params.step_base_s * step_scale,
+        per_token_s=params.per_token_s * step_scale, per_seq_s=params.per_seq_s * step_scale,
+        per_kv_token_s=params.per_kv_token_s * step_scale,
+        per_attn_pair_s=params.per_attn_pair_s * step_scale, request_overhead_s=overhead_s)
+
+
+def fit_to_replay(params: EngineParams, simulate: Callable[[EngineParams], dict[str, float]],
+                  real: dict[str, float]) -> tuple[EngineParams, float, float]:
+    """The probes fit the law's shape on an idle machine; under a replay's load the engines run
+    slower (co-located engines and the request path share cores, caches and memory bandwidth)
+    and requests wait longer outside them. This fits one scale of every step term and the
+    request overhead to a calibration replay (requests the fidelity window does not have):
+    the grid point whose simulated TTFT p50 and p90 are closest to the real ones in log terms.
+    Returns (profile, step scale, squared log error)."""
+    best = (math.inf, 1.0, params.request_overhead_s)
+    for scale in STEP_SCALES:
+        for overhead in OVERHEADS_S:
+            sim = simulate(scaled(params, scale, overhead))
+            error = sum(math.log(sim[m] / real[m]) ** 2 for m in ("ttft_p50_s", "ttft_p90_s"))
+            if error < best[0]:
+                best = (error, scale, overhead)
+    error, scale, overhead = best
+    return scaled(params, scale, overhead), scale, error

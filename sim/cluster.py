@@ -5,8 +5,8 @@ The gateway does what `orchestrator.gateway.dispatch.PoolDispatcher` does with t
 that have room, dispatches to the first, reports first tokens and ends, and holds a request while
 no replica has room. The service learns the replicas from a registry refresh every `refresh_s`
 (load, KV usage, capacity, as `ReplicaView`s) and the blocks from each engine step's KV events,
-delivered after `event_lag_s`. The wall time of each decision (`rank` and `dispatched`) is measured:
-it is the real code's cost at this scale.
+delivered after `event_lag_s`. The wall time of each decision (`rank` and `dispatched`) and of
+applying the events is measured: it is the real code's cost at this scale.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class SimCluster:
         self.replicas: dict[ReplicaId, SimReplica] = {}
         self.held: deque[SimRequest] = deque()
         self.decision_ns: list[int] = []
+        self.apply_ns = 0  # wall time the router spent applying KV events
         self.finished: list[SimRequest] = []
         self.peak_index_entries = 0
         self._serial = 0
@@ -156,7 +157,9 @@ class SimCluster:
 
     def _apply(self, replica: ReplicaId, batch: KVEventBatch) -> None:
         if replica in self.replicas:  # a replica that left was dropped from the map
+            began = time.perf_counter_ns()
             self.service.apply_events(replica, batch)
+            self.apply_ns += time.perf_counter_ns() - began
             self.peak_index_entries = max(self.peak_index_entries, self.service.index_entries())
 
     # -- the registry -------------------------------------------------------------------------

@@ -13,6 +13,8 @@ steps' times is closed-form, so a long decode costs the simulator a few events, 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -67,20 +69,22 @@ class _Seq:
 @dataclass
 class _FastForward:
     start: float
-    steps: int
-    first_s: float  # the first step's time
-    delta_s: float  # each later step takes this much longer (its context grew)
+    ends: list[float]  # when each step ends, from the start
+
+    @property
+    def steps(self) -> int:
+        return len(self.ends)
 
     def boundary(self, k: int) -> float:
         """When step k ends (k steps done)."""
-        return self.start + k * self.first_s + self.delta_s * k * (k - 1) / 2
+        return self.start + self.ends[k - 1]
 
     def steps_done_by(self, t: float) -> int:
         """Steps ended at the first step boundary at or after `t` (at least 1)."""
-        k = 1
-        while k < self.steps and self.boundary(k) < t:
-            k += 1
-        return k
+        return max(1, min(self.steps, bisect.bisect_left(self.ends, t - self.start) + 1))
+
+    def cut(self, k: int) -> _FastForward:
+        return _FastForward(self.start, self.ends[:k])
 
 
 Listener = Callable[[SimRequest], None]
@@ -104,6 +108,7 @@ class SimEngine:
         self._generation = 0  # invalidates a scheduled step end when a fast-forward is cut
         self._batch: list[tuple[_Seq, int]] = []
         self._ff: _FastForward | None = None
+        self._last_step_s = 0.0
         self.ttft = Window(SIGNAL_WINDOW_S)  # engine-side, from its queue to the first token
         self.itl = Window(SIGNAL_WINDOW_S)
         self.prefill_rate = Window(SIGNAL_WINDOW_S)  # prompt tokens per second of prefill steps
@@ -148,7 +153,8 @@ class SimEngine:
             end = ff.boundary(ff.steps)
         else:
             self._ff = None
-            end = self.loop.now + self._step_s(batch)
+            self._last_step_s = self._step_s(batch)
+            end = self.loop.now + self._last_step_s
         self._generation += 1
         generation = self._generation
         self.loop.at(end, lambda: self._end_step(generation))
@@ -241,9 +247,10 @@ class SimEngine:
         if need > self.pool.free_blocks:
             return None
         first = self._step_s(batch)
-        seqs = len(batch)
-        delta = (self.params.per_kv_token_s + self.params.per_attn_pair_s) * seqs
-        return _FastForward(self.loop.now, steps, first, delta)
+        delta = (self.params.per_kv_token_s + self.params.per_attn_pair_s) * len(batch)
+        # step k reads k more tokens per request than the first
+        ends = list(itertools.accumulate(first + delta * k for k in range(steps)))
+        return _FastForward(self.loop.now, ends)
 
     def _cut_fast_forward(self) -> None:
         """A request arrived during a fast-forward: the decode steps end at the next step
@@ -252,7 +259,7 @@ class SimEngine:
         done = ff.steps_done_by(self.loop.now)
         if done >= ff.steps:
             return
-        self._ff = _FastForward(ff.start, done, ff.first_s, ff.delta_s)
+        self._ff = ff.cut(done)
         self._generation += 1
         generation = self._generation
         self.loop.at(max(self.loop.now, self._ff.boundary(done)),
@@ -263,7 +270,7 @@ class SimEngine:
             return
         now, ff, batch = self.loop.now, self._ff, self._batch
         steps = ff.steps if ff is not None else 1
-        duration = now - ff.start if ff is not None else self._step_s(batch)
+        duration = now - ff.start if ff is not None else self._last_step_s
         self.busy_s += duration
         self.steps += steps
         prefill_tokens = 0

@@ -53,6 +53,8 @@ def summary(policy: str, requests: list[SimRequest], sim: SimCluster, sim_s: flo
         "preempted": sum(r.preemptions > 0 for r in done),
         "decision_p50_ms": float(np.percentile(decisions_ms, 50)),
         "decision_p99_ms": float(np.percentile(decisions_ms, 99)),
+        "router_ms_per_request": (sum(sim.decision_ns) + sim.apply_ns) / 1e6 / len(requests)
+        if requests else 0.0,
         "index_entries_peak": sim.peak_index_entries,
         "index_bytes_peak": sim.peak_index_entries * BYTES_PER_ENTRY,
         "sim_s": sim_s, "wall_s": wall_s, "sim_speedup": sim_s / wall_s if wall_s else 0.0,

@@ -187,3 +187,41 @@ def test_profiles_load_and_name_what_is_wrong(tmp_path) -> None:
     bad.write_text('{"name": "x", "block_size": "16"}')
     with pytest.raises(ValueError, match="block_size"):
         load(bad)
+
+
+def test_tokenfab_policy_scales_the_simulated_pool_up_and_back_down() -> None:
+    from autoscaler.serve_policy import PoolPolicy
+    from sim.autoscale import SimAutoscaler
+
+    loop = EventLoop()
+    params = PARAMS.with_kv_blocks(512)
+    sim = SimCluster(loop, params, "round_robin", 1)
+    policy = PoolPolicy("app", "main", role="unified", min_replicas=1, max_replicas=4,
+                        target_ongoing=4, downscale_delay_s=5.0)
+    scaler = SimAutoscaler(loop, sim, policy, until=200.0)
+    burst = [request(f"b{i}", 1.0 + 0.01 * i, 9, [], 60) for i in range(40)]
+    sim.submit(burst)
+    scaler.start()
+    loop.run()
+    ups = [d for d in scaler.decisions if d[2] > d[1]]
+    downs = [d for d in scaler.decisions if d[2] < d[1]]
+    assert ups and ups[0][0] < 5.0  # the burst's queue is seen within seconds
+    assert max(n for _, n in scaler.timeline) == 4
+    assert downs and sim.count("ready", "starting", "draining") == 1  # back to min after calm
+    assert len(sim.finished) == 40
+    assert 0 < scaler.replica_seconds < 4 * 200
+
+
+def test_serve_delays_hold_a_raw_policy_back() -> None:
+    from types import SimpleNamespace
+
+    from sim.autoscale import ServeDelays
+
+    delayed = ServeDelays(lambda ctx: (3.2, {}), min_replicas=1, max_replicas=3,
+                          upscale_delay_s=30.0)
+    ctx = SimpleNamespace(target_num_replicas=1, current_time=0.0)
+    assert delayed(ctx)[0] == 1
+    ctx.current_time = 29.0
+    assert delayed(ctx)[0] == 1
+    ctx.current_time = 30.0
+    assert delayed(ctx)[0] == 3  # ceil(3.2) = 4, bounded to 3

@@ -1,0 +1,114 @@
+"""A short fidelity check against a running deployment: calibrate on it, then replay one trace
+window through it and through the simulator, and compare (the suite runs it; the full comparison
+is benchmarks/sim_fidelity.py).
+
+Calibration: the idle probes of `sim.calibrate`, then a calibration replay of other conversations
+(`fit_to_replay`). The window's prompts are `block_size` single-token words per hash id, the
+same words for the same id, so prompts share exactly the blocks their hash ids share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+
+from sim import workload
+from sim.calibrate import calibrate, fit_to_replay
+from sim.params import EngineParams
+from sim.run import replay
+
+METRICS = ("ttft_p50_s", "ttft_p90_s", "hit_rate")
+
+
+async def _send(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                due: float, out: list) -> None:
+    await asyncio.sleep(max(0.0, due - time.monotonic()))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    sent, first, usage = time.monotonic(), None, {}
+    async with client.stream("POST", "/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"replay request failed: {response.status_code}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.monotonic()
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    out.append({"ttft": first - sent, "prompt": usage.get("prompt_tokens", 0),
+                "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
+
+
+def real_replay(base_url: str, model: str, words: list[str], rows: list[dict[str, Any]],
+                rate: float, *, block_size: int, max_ids: int, namespace: int,
+                output_tokens: int) -> dict[str, float]:
+    """`rows` sent to the gateway at their trace times rescaled to `rate`; TTFT p50/p90 and
+    the engines' own hit rate."""
+
+    def chunk(hash_id: int) -> str:
+        rng = random.Random(namespace * 1_000_003 + hash_id)
+        return "".join(rng.choice(words) for _ in range(block_size))
+
+    async def run() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        async with httpx.AsyncClient(base_url=base_url, timeout=120, trust_env=False) as client:
+            start = time.monotonic() + 0.5
+            await asyncio.gather(*(
+                _send(client, model, "".join(chunk(h) for h in row["hash_ids"][:max_ids]),
+                      output_tokens, start + at, out)
+                for row, at in zip(rows, workload.arrival_offsets(rows, rate))))
+        return out
+
+    return _summary(asyncio.run(run()))
+
+
+def _summary(results: list[dict[str, Any]]) -> dict[str, float]:
+    ttft = np.array([r["ttft"] for r in results])
+    prompt = sum(r["prompt"] for r in results)
+    return {"ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "hit_rate": sum(r["cached"] for r in results) / prompt if prompt else 0.0}
+
+
+def simulated_replay(params: EngineParams, policy: str, replicas: int,
+                     rows: list[dict[str, Any]], rate: float, *, max_ids: int, namespace: int,
+                     output_tokens: int) -> dict[str, float]:
+    def make(index: int, start: float) -> list:
+        return workload.requests(rows, rate, tokens_per_id=params.block_size,
+                                 block_size=params.block_size,
+                                 max_prompt_tokens=max_ids * params.block_size + 1,
+                                 output_tokens=lambda row: output_tokens, start=start,
+                                 exact_ids=True, namespace=namespace)
+
+    result = replay(params, policy, replicas, make)
+    return {m: result[m] for m in METRICS}
+
+
+def check(base_url: str, model: str, words: list[str], *, policy: str, replicas: int,
+          block_size: int, kv_blocks: int, max_model_len: int, window: list[dict[str, Any]],
+          calibration: list[dict[str, Any]], rate: float, output_tokens: int = 8,
+          repeats: int = 1) -> dict[str, Any]:
+    """Calibrate on the deployment at `base_url` (its /v1), then the window, real and simulated:
+    {"sim": {...}, "real": {...}, "profile": EngineParams}."""
+    max_ids = (max_model_len - output_tokens - 1) // block_size
+    probed, _, _ = calibrate(base_url, model, words, block_size=block_size, kv_blocks=kv_blocks,
+                             max_num_batched_tokens=2048, max_num_seqs=128,
+                             max_model_len=max_model_len, start_latency_s=0.0,
+                             name="fidelity-check", repeats=repeats)
+    shared = {"max_ids": max_ids, "output_tokens": output_tokens}
+    measured = real_replay(base_url, model, words, calibration, rate, block_size=block_size,
+                           namespace=1, **shared)
+    params, _, _ = fit_to_replay(probed, lambda p: simulated_replay(
+        p, policy, replicas, calibration, rate, namespace=1, **shared), measured)
+    real = real_replay(base_url, model, words, window, rate, block_size=block_size,
+                       namespace=2, **shared)
+    sim = simulated_replay(params, policy, replicas, window, rate, namespace=2, **shared)
+    return {"sim": sim, "real": real, "profile": params}
