@@ -26,7 +26,7 @@ from router.load import CacheChurn, DispatchHistory, LoadTracker
 from router.metrics import RouterMetrics
 from router.plugins import Candidate, RouteRequest
 from router.policies import Policy
-from router.ttft_model import TTFTModel
+from router.ttft_model import TTFTModel, TTFTParams
 from router.wire import ReplicaView, RouteKey
 
 logger = logging.getLogger(__name__)
@@ -147,17 +147,21 @@ class RoutingService:
         """Requests this router has on `replica` now."""
         return self._tracker.in_flight(replica)
 
-    def _candidates(self, key: RouteKey, replicas: Sequence[ReplicaId]) -> list[Candidate]:
-        """Snapshots of `replicas` for this request (a hot path: ~1 us per replica)."""
+    def _candidates(self, key: RouteKey, replicas: Sequence[ReplicaId],
+                    explain: bool = False) -> list[Candidate]:
+        """Snapshots of `replicas` for this request (a hot path: ~1 us per replica, and the
+        TTFT model's ~2 us only where a scorer reads it, or to explain a decision)."""
         hashes, block, prompt = key.block_hashes, key.block_size, key.prompt_tokens
         held = self._index.longest_prefix(hashes) if hashes else {}
         approx = "approx_prefix" in self.policy.weights and bool(hashes)
         room = "cache_room" in self.policy.weights
+        modelled = explain or "ttft" in self.policy.weights
         tracker, views, history = self._tracker, self._views, self._history
+        prior = _PRIOR
         out = []
         for replica in replicas:
             view = views.get(replica)
-            model = tracker.ttft_params(replica)
+            model = tracker.ttft_params(replica) if modelled else prior
             queued = tracker.queued_prefill_tokens(replica)
             out.append(Candidate(
                 replica=replica,
@@ -188,7 +192,7 @@ class RoutingService:
 
     def explain(self, key: RouteKey) -> dict[str, Any]:
         """What the policy would do with this request now (for `/tokenfab/route`)."""
-        candidates = self._candidates(key, sorted(self._views))
+        candidates = self._candidates(key, sorted(self._views), explain=True)
         request = _request(key)
         scored = self.policy.rank(request, candidates)
         return {
@@ -361,6 +365,11 @@ class RoutingService:
         health = self.stream_health()
         self._metrics.replicas.labels(self.pool).set(health["following"])
         self._metrics.unfollowed.labels(self.pool).set(health["expected"] - health["following"])
+
+
+_DEFAULT = Candidate(ReplicaId(""))
+_PRIOR = TTFTParams(_DEFAULT.prefill_tokens_per_s, _DEFAULT.in_flight_cost_tokens,
+                    _DEFAULT.overhead_s)  # a candidate's defaults, where no scorer reads them
 
 
 def _request(key: RouteKey) -> RouteRequest:
