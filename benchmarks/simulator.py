@@ -177,25 +177,39 @@ def main() -> None:
     parser.add_argument("--max-output-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "simulator.json"))
+    parser.add_argument("--refresh-fidelity", action="store_true",
+                        help="keep the scale records of --out, take the fidelity records from "
+                        "sim_fidelity.json again, rewrite the files (no simulation)")
     args = parser.parse_args()
+    out = Path(args.out)
+    fidelity_path = RESULTS / "sim_fidelity.json"
+    fidelity = json.loads(fidelity_path.read_text())["fidelity"] if fidelity_path.exists() else []
+    if args.refresh_fidelity:
+        result = json.loads(out.read_text()) | {"fidelity": fidelity}
+        args = argparse.Namespace(**(vars(args) | result.get("args", {})))
+    else:
+        result = simulate(args) | {"fidelity": fidelity}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result, args))
+    plot(result["scale"], out.with_suffix(".png"))
+    print(out.with_suffix(".md").read_text())
+
+
+def simulate(args: argparse.Namespace) -> dict[str, Any]:
+    import msgspec
+
     began = time.monotonic()
     params = profiles.load(args.profile)
     rows = workload.read_trace(TRACE)
     records = []
     for replicas in (int(n) for n in args.replicas.split(",")):
         records += run_scale(params, rows, replicas, args)
-    fidelity_path = RESULTS / "sim_fidelity.json"
-    fidelity = json.loads(fidelity_path.read_text())["fidelity"] if fidelity_path.exists() else []
-    import msgspec
-
-    result = {"profile": msgspec.to_builtins(params), "trace_requests": len(rows),
-              "fidelity": fidelity, "scale": records, "wall_s": time.monotonic() - began}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result, args))
-    plot(records, out.with_suffix(".png"))
-    print(out.with_suffix(".md").read_text())
+    kept = ("replicas", "policies", "profile", "rate_per_replica", "requests_per_replica",
+            "max_output_tokens", "seed")
+    return {"profile": msgspec.to_builtins(params), "trace_requests": len(rows),
+            "scale": records, "wall_s": time.monotonic() - began,
+            "args": {k: getattr(args, k) for k in kept}}
 
 
 if __name__ == "__main__":

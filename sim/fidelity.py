@@ -95,10 +95,11 @@ def simulated_replay(params: EngineParams, policy: str, replicas: int,
 def check(base_url: str, model: str, words: list[str], *, policy: str, replicas: int,
           block_size: int, kv_blocks: int, max_model_len: int, window: list[dict[str, Any]],
           calibration: list[dict[str, Any]], rate: float, output_tokens: int = 8,
-          repeats: int = 1) -> dict[str, Any]:
+          repeats: int = 1, max_ids: int | None = None) -> dict[str, Any]:
     """Calibrate on the deployment at `base_url` (its /v1), then the window, real and simulated:
-    {"sim": {...}, "real": {...}, "profile": EngineParams}."""
-    max_ids = (max_model_len - output_tokens - 1) // block_size
+    {"sim": {...}, "real": {...}, "profile": EngineParams}. Prompts keep at most `max_ids` hash
+    ids (as many as the context holds by default)."""
+    max_ids = max_ids or (max_model_len - output_tokens - 1) // block_size
     probed, _, _ = calibrate(base_url, model, words, block_size=block_size, kv_blocks=kv_blocks,
                              max_num_batched_tokens=2048, max_num_seqs=128,
                              max_model_len=max_model_len, start_latency_s=0.0,

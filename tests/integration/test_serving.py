@@ -366,21 +366,21 @@ def test_simulator_reproduces_this_deployment(deployment: Deployment) -> None:
     reports = _gateway(deployment, "/tokenfab/replicas")
     block_size, kv_blocks = reports[0]["block_size"], min(r["kv_blocks"] for r in reports)
     rows = workload.read_trace(_shared_trace())
-    window = _by_root(rows, seed=0)[:60]
+    window = _by_root(rows, seed=0)  # 262 requests; their reuse comes late in the window
     roots = {row["hash_ids"][0] for row in window}
-    calibration = [r for r in _by_root(rows, seed=1) if r["hash_ids"][0] not in roots][:60]
+    calibration = [r for r in _by_root(rows, seed=1) if r["hash_ids"][0] not in roots][:150]
     topology = deployment.topology
     words = _single_token_words(str(topology.model.resolved_path))
     result = fidelity.check(deployment.base_url, MODEL, words, policy="kv_aware",
                             replicas=len(reports), block_size=block_size, kv_blocks=kv_blocks,
                             max_model_len=topology.model.max_model_len, window=window,
-                            calibration=calibration, rate=4.0)
+                            calibration=calibration, rate=6.0, max_ids=8)
     sim, real = result["sim"], result["real"]
     errors = {m: (sim[m] - real[m]) / real[m] for m in fidelity.METRICS}
-    assert real["hit_rate"] > 0.1, real  # the window shares prefixes, and the engines hit them
+    assert real["hit_rate"] > 0.3, (sim, real)  # the window's prefixes were reused (bound 0.63)
     assert abs(errors["hit_rate"]) <= 0.15, (errors, sim, real)
-    # TTFT: +-50% on a 60-request window of a shared 2-core machine (the benchmark's bound over
-    # 262-786 requests is +-15%; see benchmarks/results/sim_fidelity.md)
+    # TTFT: +-50%, looser than the issue's +-15%, which the full benchmark does not meet on this
+    # shared 2-core machine either (README "At scale")
     assert abs(errors["ttft_p50_s"]) <= 0.5 and abs(errors["ttft_p90_s"]) <= 0.5, (errors, sim,
                                                                                    real)
 
