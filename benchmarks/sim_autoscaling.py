@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from autoscaler.serve_policy import PoolPolicy, ray_requests_policy
+from autoscaling import arrivals
 from sim import params as profiles
 from sim import workload
 from sim.autoscale import ServeDelays, SimAutoscaler
@@ -43,19 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 SETUPS = ["autoscaler", "ray_default", "static_max", "static_min"]
-
-
-def arrivals(phases: list[tuple[float, float]], seed: int) -> list[float]:
-    rng, times, start = random.Random(seed), [], 0.0
-    for seconds, rate in phases:
-        t = start
-        while True:
-            t += rng.expovariate(rate)
-            if t >= start + seconds:
-                break
-            times.append(t)
-        start += seconds
-    return times
 
 
 def requests(params: profiles.EngineParams, rows: list[dict[str, Any]], times: list[float],

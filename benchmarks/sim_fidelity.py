@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from machine import prioritise_client
 from routing import (RESULTS, ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica, replay_rate,
                      replays, summarize, sweep, topology)
@@ -36,9 +38,9 @@ from traces import BLOCK_TOKENS, MAX_BLOCKS, sample_by_root, single_token_words,
 from sim import params as profiles
 from sim import workload
 from sim.calibrate import calibrate, fit_to_replay
+from sim.fidelity import METRICS
 from sim.run import replay
 
-METRICS = ("ttft_p50_s", "ttft_p90_s", "hit_rate")
 MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS = 2048, 128  # vLLM's CPU defaults for its API server
 
 
@@ -204,7 +206,7 @@ def main() -> None:
                                   "real": measured, "sim": simulated})
         result["fidelity"] += compare(measured, simulated, policy, rate)
     params = fitted[next(iter(specs))]
-    result["profile"] = json.loads(json.dumps(params, default=_struct))
+    result["profile"] = msgspec.to_builtins(params)
     result["wall_s"] = time.monotonic() - began
     Path(args.profile_out).parent.mkdir(parents=True, exist_ok=True)
     profiles.dump(params, Path(args.profile_out))
@@ -218,12 +220,6 @@ def main() -> None:
 def _write(path: Path, rows: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows))
-
-
-def _struct(value: Any) -> Any:
-    import msgspec
-
-    return msgspec.to_builtins(value)
 
 
 if __name__ == "__main__":

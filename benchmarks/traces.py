@@ -14,6 +14,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from sim.calibrate import single_token_words  # noqa: F401 - the benchmarks' prompts
+
 BLOCK_TOKENS, MAX_BLOCKS = 32, 60
 
 
@@ -51,20 +53,6 @@ def lru_hit_rate(requests: list[dict[str, Any]], capacity_blocks: int,
         while len(cache) > capacity_blocks:
             cache.popitem(last=False)
     return hits / total if total else 0.0
-
-
-def single_token_words(model_path: str) -> list[str]:
-    """Words the tokenizer encodes as exactly one token after a space."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    words = []
-    for token_id in range(len(tokenizer)):
-        text = tokenizer.decode([token_id])
-        if text.startswith(" ") and text[1:].isalpha() and \
-                tokenizer(text, add_special_tokens=False).input_ids == [token_id]:
-            words.append(text)
-    return words
 
 
 class Prompts:

@@ -19,9 +19,9 @@ from sim.run import replay
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from sim.calibrate import calibrate
+    from sim.calibrate import calibrate, single_token_words
 
-    words = _single_token_words(args.model_path)
+    words = single_token_words(args.model_path)
     params, error, observations = calibrate(
         f"{args.url.rstrip('/')}/v1", args.model, words, block_size=args.block_size,
         kv_blocks=args.kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -30,20 +30,6 @@ def _calibrate(args: argparse.Namespace) -> None:
         headers={"authorization": f"Bearer {args.api_key}"} if args.api_key else None)
     profiles.dump(params, Path(args.out))
     print(f"{len(observations)} probes, median fit error {error:.1%}; wrote {args.out}")
-
-
-def _single_token_words(model_path: str) -> list[str]:
-    """Words the model's tokenizer encodes as one token after a space (prompts of exact length)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(Path(model_path).expanduser()))
-    words = []
-    for token_id in range(len(tokenizer)):
-        text = tokenizer.decode([token_id])
-        if text.startswith(" ") and text[1:].isalpha() and \
-                tokenizer(text, add_special_tokens=False).input_ids == [token_id]:
-            words.append(text)
-    return words
 
 
 def _replay(args: argparse.Namespace) -> None:

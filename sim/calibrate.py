@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -56,6 +57,21 @@ class Observation:
     def row(self) -> list[float]:
         return [float(self.overhead), self.steps, self.new_tokens, self.seqs, self.kv_tokens,
                 self.attn_pairs, float(self.overhead) * self.streams]
+
+
+def single_token_words(model_path: str) -> list[str]:
+    """Words the tokenizer at `model_path` encodes as exactly one token after a space: prompts
+    of exactly as many tokens as words."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(model_path).expanduser()))
+    words = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if text.startswith(" ") and text[1:].isalpha() and \
+                tokenizer(text, add_special_tokens=False).input_ids == [token_id]:
+            words.append(text)
+    return words
 
 
 class Prober:

@@ -114,7 +114,6 @@ class SimEngine:
         self.prefill_rate = Window(SIGNAL_WINDOW_S)  # prompt tokens per second of prefill steps
         self.prompt_tokens = Window(SIGNAL_WINDOW_S)
         self.generated_tokens = Window(SIGNAL_WINDOW_S)
-        self.busy_s = 0.0
         self.steps = 0
 
     # -- requests -----------------------------------------------------------------------------
@@ -271,7 +270,6 @@ class SimEngine:
         now, ff, batch = self.loop.now, self._ff, self._batch
         steps = ff.steps if ff is not None else 1
         duration = now - ff.start if ff is not None else self._last_step_s
-        self.busy_s += duration
         self.steps += steps
         prefill_tokens = 0
         for seq, n in batch:

@@ -10,7 +10,6 @@ same words for the same id, so prompts share exactly the blocks their hash ids s
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from typing import Any
@@ -19,32 +18,11 @@ import httpx
 import numpy as np
 
 from sim import workload
-from sim.calibrate import calibrate, fit_to_replay
+from sim.calibrate import Prober, calibrate, fit_to_replay
 from sim.params import EngineParams
 from sim.run import replay
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "hit_rate")
-
-
-async def _send(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-                due: float, out: list) -> None:
-    await asyncio.sleep(max(0.0, due - time.monotonic()))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    sent, first, usage = time.monotonic(), None, {}
-    async with client.stream("POST", "/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"replay request failed: {response.status_code}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                first = time.monotonic()
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    out.append({"ttft": first - sent, "prompt": usage.get("prompt_tokens", 0),
-                "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
 
 
 def real_replay(base_url: str, model: str, words: list[str], rows: list[dict[str, Any]],
@@ -53,26 +31,30 @@ def real_replay(base_url: str, model: str, words: list[str], rows: list[dict[str
     """`rows` sent to the gateway at their trace times rescaled to `rate`; TTFT p50/p90 and
     the engines' own hit rate."""
 
-    def chunk(hash_id: int) -> str:
+    prober = Prober(base_url, model, words, block_size)
+
+    def chunk(hash_id: int) -> list[str]:
         rng = random.Random(namespace * 1_000_003 + hash_id)
-        return "".join(rng.choice(words) for _ in range(block_size))
+        return [rng.choice(words) for _ in range(block_size)]
+
+    async def send(client: httpx.AsyncClient, row: dict[str, Any], due: float) -> dict:
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        return await prober.one(client, [w for h in row["hash_ids"][:max_ids] for w in chunk(h)],
+                                output_tokens)
 
     async def run() -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
         async with httpx.AsyncClient(base_url=base_url, timeout=120, trust_env=False) as client:
             start = time.monotonic() + 0.5
-            await asyncio.gather(*(
-                _send(client, model, "".join(chunk(h) for h in row["hash_ids"][:max_ids]),
-                      output_tokens, start + at, out)
+            return await asyncio.gather(*(
+                send(client, row, start + at)
                 for row, at in zip(rows, workload.arrival_offsets(rows, rate))))
-        return out
 
     return _summary(asyncio.run(run()))
 
 
 def _summary(results: list[dict[str, Any]]) -> dict[str, float]:
     ttft = np.array([r["ttft"] for r in results])
-    prompt = sum(r["prompt"] for r in results)
+    prompt = sum(r["prompt_tokens"] for r in results)
     return {"ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p90_s": float(np.percentile(ttft, 90)),
             "hit_rate": sum(r["cached"] for r in results) / prompt if prompt else 0.0}

@@ -95,6 +95,3 @@ class BlockPool:
         """(stored, hash) for each hash stored (True) or evicted (False) since the last call."""
         events, self._events = self._events, []
         return events
-
-    def cached_hashes(self) -> int:
-        return len(self._block_of)

@@ -44,7 +44,7 @@ def summary(policy: str, requests: list[SimRequest], sim: SimCluster, sim_s: flo
     decisions_ms = np.array(sim.decision_ns or [0]) / 1e6
     per_replica = Counter(r.replica for r in done)
     return {
-        "policy": policy, "replicas": len({r.replica for r in requests}) or 0,
+        "policy": policy, "replicas": len({r.replica for r in requests}),
         "requests": len(requests), "unfinished": len(requests) - len(done),
         "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
         "hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,

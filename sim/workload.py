@@ -68,8 +68,7 @@ def arrival_offsets(rows: list[Row], rate: float) -> list[float]:
 
 def requests(rows: list[Row], rate: float, *, tokens_per_id: int, block_size: int,
              max_prompt_tokens: int, output_tokens: Callable[[Row], int], start: float = 0.0,
-             namespace: int = 0, exact_ids: bool = False, bos: int = 1,
-             prefix: str = "") -> list[SimRequest]:
+             namespace: int = 0, exact_ids: bool = False, bos: int = 1) -> list[SimRequest]:
     """Requests for `rows` arriving from `start` at `rate`. A prompt is its `input_length` tokens
     (or, with `exact_ids`, exactly `tokens_per_id` per hash id), plus `bos`, capped at
     `max_prompt_tokens`; `namespace` gives a replay blocks no other namespace shares."""
@@ -80,7 +79,7 @@ def requests(rows: list[Row], rate: float, *, tokens_per_id: int, block_size: in
         prompt = min(length + bos, max_prompt_tokens)
         full = min(prompt // block_size, len(ids) * (tokens_per_id // block_size))
         out.append(SimRequest(
-            request_id=f"{prefix}{namespace}-{index}", arrival=start + offset,
+            request_id=f"{namespace}-{index}", arrival=start + offset,
             prompt_tokens=prompt,
             block_hashes=block_hashes(ids, full, tokens_per_id, block_size, namespace),
             output_tokens=output_tokens(row)))

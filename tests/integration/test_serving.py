@@ -361,7 +361,7 @@ def test_simulator_reproduces_this_deployment(deployment: Deployment) -> None:
     benchmarks/sim_fidelity.py): calibrated on this deployment, then one window of the
     Mooncake trace through the real replicas and through the simulator with the same router."""
     from sim import fidelity, workload
-    from sim.__main__ import _single_token_words
+    from sim.calibrate import single_token_words
 
     reports = _gateway(deployment, "/tokenfab/replicas")
     block_size, kv_blocks = reports[0]["block_size"], min(r["kv_blocks"] for r in reports)
@@ -370,7 +370,7 @@ def test_simulator_reproduces_this_deployment(deployment: Deployment) -> None:
     roots = {row["hash_ids"][0] for row in window}
     calibration = [r for r in _by_root(rows, seed=1) if r["hash_ids"][0] not in roots][:150]
     topology = deployment.topology
-    words = _single_token_words(str(topology.model.resolved_path))
+    words = single_token_words(str(topology.model.resolved_path))
     result = fidelity.check(deployment.base_url, MODEL, words, policy="kv_aware",
                             replicas=len(reports), block_size=block_size, kv_blocks=kv_blocks,
                             max_model_len=topology.model.max_model_len, window=window,
