@@ -3,7 +3,13 @@
 Every replica reports `ReplicaSignals` to Ray Serve (`record_autoscaling_stats`); Serve averages
 each one over its look-back window per replica and hands them to the pool's policy, which folds
 them into one `PoolSignals`. Latencies are the replica's recent p90 (a sliding window of what its
-engine measured); throughputs are tokens per second over the same window. Queued prompt tokens are
+engine measured): TTFT per request, and inter-token latency as each finished request's mean gap
+between tokens (vLLM's time per output token, what latency SLOs judge). A p90 over single gaps
+would mostly measure the steps that carry a long prompt's prefill chunk: with 32k-token prompts
+that p90 stays near 0.5 s at any replica count while requests' mean gaps are 0.03 s
+(benchmarks/results/sim_autoscaling.md), and a policy chasing it holds every replica it may.
+Throughputs are per second over the same window; arrivals are a counter, which the policy
+differences between decisions (autoscaler.forecast). Queued prompt tokens are
 the prompts of the replica's requests still in their prefill (vLLM's own count); prefill capacity
 is what the engine computes per second while it prefills (the p90 of its recent steps' prompt
 tokens over step time), so backlog / capacity is how long the queue takes to drain.
@@ -18,6 +24,8 @@ from collections import deque
 from collections.abc import Mapping
 
 import msgspec
+
+SIGNAL_WINDOW_S = 10.0  # latencies and rates a replica reports are over this window
 
 
 class ReplicaSignals(msgspec.Struct, frozen=True):
@@ -34,16 +42,17 @@ class ReplicaSignals(msgspec.Struct, frozen=True):
     prefill_capacity_tokens_per_s: float = 0.0  # 0 until the engine has prefilled
     in_flight: float = 0.0  # requests the replica is serving (running, waiting, or finishing)
     held: float = 0.0  # requests gateways hold for the pool, as far as this replica heard
+    arrivals: float = 0.0  # requests the replica has taken since it started (a counter)
 
 
 class PoolSignals(msgspec.Struct, frozen=True):
-    """A pool's signals: sums of load, worst replica latencies and KV usage."""
+    """A pool's signals: sums of load, replicas' typical latencies, the fullest KV cache."""
 
     replicas: int
     running: float = 0.0
     waiting: float = 0.0
     kv_cache_usage: float = 0.0  # the fullest replica's
-    ttft_p90_s: float = 0.0  # the slowest replica's
+    ttft_p90_s: float = 0.0  # the mean of the replicas' p90s
     itl_p90_s: float = 0.0
     prompt_tokens_per_s: float = 0.0
     generation_tokens_per_s: float = 0.0
@@ -66,13 +75,20 @@ def pool_signals(per_metric: Mapping[str, Mapping[object, float]], replicas: int
 
     capacities = [v for v in values("prefill_capacity_tokens_per_s") if v > 0]
 
+    def typical(name: str) -> float:
+        """The mean of the p90s of replicas that measured one. Not the slowest replica's: the
+        largest of N small-sample p90s grows with N (at 64 replicas with ~10 requests each in the
+        window it is about the pool's p99.8), so a pool would look slower the larger it is."""
+        measured = [v for v in values(name) if v > 0]
+        return statistics.fmean(measured) if measured else 0.0
+
     return PoolSignals(
         replicas=replicas,
         running=sum(values("running")),
         waiting=sum(values("waiting")),
         kv_cache_usage=max(values("kv_cache_usage"), default=0.0),
-        ttft_p90_s=max(values("ttft_p90_s"), default=0.0),
-        itl_p90_s=max(values("itl_p90_s"), default=0.0),
+        ttft_p90_s=typical("ttft_p90_s"),
+        itl_p90_s=typical("itl_p90_s"),
         prompt_tokens_per_s=sum(values("prompt_tokens_per_s")),
         generation_tokens_per_s=sum(values("generation_tokens_per_s")),
         queued_prompt_tokens=sum(values("queued_prompt_tokens")),

@@ -98,6 +98,7 @@ class PoolReplica:
         self._state = "starting"
         self._engine_start_s = 0.0
         self._in_flight = 0
+        self._arrivals = 0  # requests taken, for the autoscaler's forecast
         self._rank_in_flight = [0] * settings.data
         self._kv_events: list[KVEventEndpoints] = []  # one per data-parallel rank
         self._event_relays: list[EventRelay] = []
@@ -173,6 +174,7 @@ class PoolReplica:
         if self._in_flight >= self._settings.max_ongoing_requests:
             return "full"
         self._in_flight += 1
+        self._arrivals += 1
         return None
 
     def release(self) -> None:
@@ -223,6 +225,7 @@ class PoolReplica:
             yield msgspec.json.encode(openai_error(503, "replica is draining; retry"))
             return
         self._in_flight += 1
+        self._arrivals += 1
         try:
             async for item in self._engine.reply(endpoint, body):
                 if isinstance(item, ReplyHead):
@@ -253,6 +256,7 @@ class PoolReplica:
             return {}
         signals = msgspec.structs.replace(
             self._engine.signals(), in_flight=float(self._in_flight),
+            arrivals=float(self._arrivals),
             held=float(self._channel.held() if self._channel else 0))
         return msgspec.structs.asdict(signals)
 

@@ -15,11 +15,10 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from autoscaler.signals import ReplicaSignals, Window
+from autoscaler.signals import SIGNAL_WINDOW_S, ReplicaSignals, Window
 from tokenfab.errors import EngineDeadError, EngineError
 from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
 
-SIGNAL_WINDOW_S = 10.0  # latencies and token rates the autoscaler sees are over this window
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +146,9 @@ class _LoadRecorder:
         old, prompt = self.ranks.get(rank, LoadSnapshot()), iteration.prompt_token_stats
         for seconds in iteration.time_to_first_tokens_iter:
             self._ttft.add(seconds)
-        for seconds in iteration.inter_token_latencies_iter:
-            self._itl.add(seconds)
+        for finished in iteration.finished_requests:  # each request's mean gap between tokens
+            if finished.num_generation_tokens > 1:
+                self._itl.add(finished.mean_time_per_output_token)
         self._prompt.add(prompt.computed)
         # While the rank has requests, steps follow each other, so the time since the previous
         # step's output is this step's duration. After a step that left it empty, the rank

@@ -20,12 +20,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from autoscaler.signals import Window
+from autoscaler.signals import SIGNAL_WINDOW_S, Window
 from sim.kvcache import BlockPool
 from sim.loop import EventLoop
 from sim.params import EngineParams
 
-SIGNAL_WINDOW_S = 10.0  # latency and throughput signals look this far back, as a replica's do
 
 
 @dataclass
@@ -110,7 +109,8 @@ class SimEngine:
         self._ff: _FastForward | None = None
         self._last_step_s = 0.0
         self.ttft = Window(SIGNAL_WINDOW_S)  # engine-side, from its queue to the first token
-        self.itl = Window(SIGNAL_WINDOW_S)
+        self.itl = Window(SIGNAL_WINDOW_S)  # finished requests' mean gaps, as a replica's
+        self.arrivals = 0
         self.prefill_rate = Window(SIGNAL_WINDOW_S)  # prompt tokens per second of prefill steps
         self.prompt_tokens = Window(SIGNAL_WINDOW_S)
         self.generated_tokens = Window(SIGNAL_WINDOW_S)
@@ -120,6 +120,7 @@ class SimEngine:
 
     def add(self, request: SimRequest) -> None:
         request.engine_arrival = self.loop.now
+        self.arrivals += 1
         self.waiting.append(_Seq(request))
         if not self._busy:
             self._start_step()
@@ -315,7 +316,6 @@ class SimEngine:
         else:
             request.itl_sum_s += gap
             request.itl_count += 1
-            self.itl.add(gap, now)
 
     def _decode(self, seq: _Seq, steps: int, ff: _FastForward) -> None:
         """`steps` decode steps of a fast-forward at once."""
@@ -331,13 +331,14 @@ class SimEngine:
         request.itl_count += steps
         now = self.loop.now
         self.generated_tokens.add(steps, now)
-        self.itl.add(span / steps, now)
 
     def _finish_done(self, now: float) -> None:
         kept = []
         for seq in self.running:
             if seq.generated >= seq.request.output_tokens:
                 seq.request.finished = now
+                if seq.request.itl_count:
+                    self.itl.add(seq.request.itl_sum_s / seq.request.itl_count, now)
                 self.pool.free(seq.blocks)
                 seq.blocks = []
                 self._on_finished(seq.request)

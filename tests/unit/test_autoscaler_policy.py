@@ -134,10 +134,11 @@ def test_burst_scales_up_before_latency_breaches() -> None:
 def test_pool_signals_fold_replicas_and_windows() -> None:
     folded = pool_signals({"running": {"a": 2, "b": 3}, "waiting": {"a": 1, "b": 0},
                            "kv_cache_usage": {"a": 0.2, "b": 0.7},
-                           "ttft_p90_s": {"a": 0.5, "b": 1.5},
-                           "itl_p90_s": {"a": float("nan"), "b": 0.1}}, replicas=2)
+                           "ttft_p90_s": {"a": 0.5, "b": 1.5, "idle": 0.0},
+                           "itl_p90_s": {"a": float("nan"), "b": 0.1}}, replicas=3)
     assert (folded.running, folded.waiting, folded.ongoing) == (5, 1, 6)
-    assert (folded.kv_cache_usage, folded.ttft_p90_s, folded.itl_p90_s) == (0.7, 1.5, 0.1)
+    # latencies: the mean p90 of the replicas that measured one (an idle replica reports 0)
+    assert (folded.kv_cache_usage, folded.ttft_p90_s, folded.itl_p90_s) == (0.7, 1.0, 0.1)
     folded = pool_signals({"queued_prompt_tokens": {"a": 3000, "b": 1000},
                            "prefill_capacity_tokens_per_s": {"a": 10_000, "b": 0, "c": 20_000}},
                           replicas=3)  # b has not prefilled yet: the others' mean stands for it
@@ -186,7 +187,7 @@ def test_prefill_capacity_is_measured_on_busy_steps() -> None:
             iteration_timestamp=at, num_generation_tokens=1,
             prompt_token_stats=SimpleNamespace(computed=computed, local_cache_hit=0,
                                                external_kv_transfer=0),
-            time_to_first_tokens_iter=[], inter_token_latencies_iter=[]))
+            time_to_first_tokens_iter=[], finished_requests=[]))
 
     recorder = _LoadRecorder()
     step(100.0, 0, running_after=0)  # the engine is empty after this step
