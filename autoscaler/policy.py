@@ -28,6 +28,13 @@ Up, when any of these asks for more than the running replicas (the largest ask w
   Example: 2 decode replicas with 4 requests, ITL p90 0.3 s against 0.2 s -> ceil(2 x 1.5) = 3;
   the same ITL with 3 requests in the pool asks for nothing.
 - KV: the fullest replica above `max_kv_usage` asks for one more.
+- plan (with `capacity_rps`, the requests/s one replica serves within the targets, profiled
+  offline by `python -m sim capacity`): the arrival rate expected one replica start from now
+  (autoscaler/forecast.py) needs `ceil(rate x (1 + headroom) / capacity_rps)` replicas. The other
+  asks see load that has arrived; this one orders the replicas a rising rate will need by the
+  time they can serve.
+  Example: 8 req/s now, rising 0.1 req/s each second for two minutes, start time 90 s,
+  capacity 1 req/s, headroom 0.2: ceil((8 + 9) x 1.2 / 1) = 21 replicas.
 
 Down, by one replica, when for `downscale_delay_s` the load would fit one replica fewer with
 `scale_down_margin` to spare (ongoing, KV usage and the backlog's drain time each under the
@@ -39,6 +46,12 @@ Example: margin 0.5, target_ongoing 8, 3 replicas with 6 ongoing, no waiting, KV
 0.12 s against 0.2 s: 6 <= 0.5 x 8 x 2 and 0.12 <= 0.8 x 0.2, so after 30 calm seconds 3 -> 2;
 2 -> 1 needs 6 <= 4: it stays at 2.
 
+With a plan, down goes in one step instead: to what the highest rate of the last
+`downscale_delay_s` needs with the headroom counted twice (never below what the requests in
+flight need at `target_ongoing` each), when the pool has been calm as above (its load under
+that count's `target_ongoing`) for the delay. A burst's replicas go when it ends, not one per
+delay; the band of one headroom between up and down keeps noise from flapping the pool.
+
 To zero, only with `min_replicas: 0`: after `idle_to_zero_s` with nothing ongoing. Back from zero
 as soon as a request waits (Serve holds requests while the replica starts).
 """
@@ -49,6 +62,7 @@ import math
 
 import msgspec
 
+from autoscaler.forecast import Plan
 from autoscaler.signals import PoolSignals
 
 LATENCY_CALM = 0.8  # a pool may step down while its latency p90s are under 80% of their targets
@@ -68,6 +82,9 @@ class Targets(msgspec.Struct, frozen=True):
     scale_down_margin: float = 0.5
     downscale_delay_s: float = 30.0
     idle_to_zero_s: float = 300.0
+    capacity_rps: float = 0.0  # requests/s one replica serves within the targets; 0: no plan
+    headroom: float = 0.2  # the plan sizes for the forecast rate x (1 + headroom)
+    replica_start_s: float = 60.0  # the plan's horizon until a start has been measured
 
 
 class Decision(msgspec.Struct, frozen=True):
@@ -92,9 +109,18 @@ def _drain_s(s: PoolSignals, current: int) -> float:
     return s.queued_prompt_tokens / (s.prefill_capacity_tokens_per_s * current)
 
 
-def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
+def planned(rate: float, t: Targets) -> int:
+    """Replicas that serve `rate` requests/s within the targets, with the headroom."""
+    return math.ceil(rate * (1 + t.headroom) / t.capacity_rps - 1e-9)
+
+
+def _up(s: PoolSignals, t: Targets, current: int, plan: Plan | None) -> tuple[int, str]:
     asks = [(math.ceil(s.ongoing / t.target_ongoing),
              f"load: {s.ongoing:.1f} ongoing / {t.target_ongoing:g} per replica")]
+    if plan is not None and t.capacity_rps > 0:
+        asks.append((planned(plan.forecast, t),
+                     f"plan: {plan.rate:.1f} req/s now, {plan.forecast:.1f} expected in "
+                     f"{plan.horizon_s:.0f}s, {t.capacity_rps:g} per replica"))
     if s.waiting > t.max_waiting_per_replica * current:
         asks.append((current + math.ceil(s.waiting / t.target_ongoing),
                      f"burst: {s.waiting:.1f} waiting > {t.max_waiting_per_replica:g} per replica"))
@@ -117,18 +143,41 @@ def _up(s: PoolSignals, t: Targets, current: int) -> tuple[int, str]:
     return max(asks, key=lambda ask: ask[0])
 
 
-def _calm(s: PoolSignals, t: Targets, current: int) -> bool:
+def _calm(s: PoolSignals, t: Targets, current: int, max_ongoing: float) -> bool:
+    """Whether the pool is calm: at most `max_ongoing` requests, none waiting, KV usage and
+    the prefill backlog under the margin's share of their targets, latencies under
+    LATENCY_CALM of theirs."""
     m = t.scale_down_margin
     return (s.waiting < 1  # averaged over the look-back window: less than one request waiting
-            and s.ongoing <= m * t.target_ongoing * (current - 1)
+            and s.ongoing <= max_ongoing
             and s.kv_cache_usage <= m * t.max_kv_usage
             and (not _uses_ttft(t.role) or (_drain_s(s, current) <= m * t.ttft_p90_s
                                              and s.ttft_p90_s <= LATENCY_CALM * t.ttft_p90_s))
             and (not _uses_itl(t.role) or s.itl_p90_s <= LATENCY_CALM * t.itl_p90_s))
 
 
+def _down_to(s: PoolSignals, t: Targets, current: int, plan: Plan | None) -> int | None:
+    """The replica count a calm pool may come down to, or None when it must stay.
+
+    Without a plan: one fewer, when the load fits it with the margin to spare. With one: in one
+    step to what the highest rate of the scale-down delay needs with the headroom counted twice
+    (autoscaler.forecast), when the load fits that count (ongoing requests at most
+    `target_ongoing` each) and the pool is otherwise calm.
+    """
+    floor = max(1, t.min_replicas)
+    if plan is None or t.capacity_rps <= 0:
+        calm = _calm(s, t, current, t.scale_down_margin * t.target_ongoing * (current - 1))
+        return current - 1 if current > floor and calm else None
+    fewer = max(floor, planned(plan.peak_rate * (1 + t.headroom), t),
+                math.ceil(s.ongoing / t.target_ongoing))
+    if fewer >= current or not _calm(s, t, current, t.target_ongoing * fewer):
+        return None
+    return fewer
+
+
 def decide(s: PoolSignals, t: Targets, current: int, now: float,
-           calm_since: float | None = None, idle_since: float | None = None) -> Decision:
+           calm_since: float | None = None, idle_since: float | None = None,
+           plan: Plan | None = None) -> Decision:
     """The replicas the pool should have now, and why (see the module docstring)."""
     idle_since = (idle_since if idle_since is not None else now) if s.ongoing == 0 else None
     if current == 0:
@@ -137,7 +186,7 @@ def decide(s: PoolSignals, t: Targets, current: int, now: float,
         if s.ongoing > 0:
             return Decision(1, "requests waiting at zero replicas")
         return Decision(0, "idle at zero", idle_since=idle_since)
-    wanted, reason = _up(s, t, current)
+    wanted, reason = _up(s, t, current, plan)
     if wanted > current:
         wanted = min(t.max_replicas, wanted)
         if wanted > current:
@@ -150,11 +199,12 @@ def decide(s: PoolSignals, t: Targets, current: int, now: float,
     if t.min_replicas == 0 and current == 1 and idle_since is not None \
             and now - idle_since >= t.idle_to_zero_s:
         return Decision(0, f"idle for {now - idle_since:.0f}s: scale to zero")
-    if current > max(1, t.min_replicas) and _calm(s, t, current):
+    fewer = _down_to(s, t, current, plan)
+    if fewer is not None:
         calm_since = calm_since if calm_since is not None else now
         if now - calm_since >= t.downscale_delay_s:
-            return Decision(current - 1, f"calm for {now - calm_since:.0f}s: load fits "
-                            f"{current - 1}", calm_since=now, idle_since=idle_since)
+            return Decision(fewer, f"calm for {now - calm_since:.0f}s: load fits "
+                            f"{fewer}", calm_since=now, idle_since=idle_since)
         return Decision(current, "calm, waiting out the scale-down delay", calm_since=calm_since,
                         idle_since=idle_since)
     return Decision(current, "within targets", idle_since=idle_since)

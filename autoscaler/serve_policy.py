@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from autoscaler.forecast import TREND_WINDOW_S, Arrivals, Plan, StartClock, forecast, level
 from autoscaler.policy import Targets, decide
 from autoscaler.records import DecisionSink, ScaleRecord, load_sink
 from autoscaler.signals import pool_signals
@@ -81,8 +82,9 @@ class PoolPolicy:
         held = held_requests(ctx, signals)
         if held > 0:
             signals = msgspec.structs.replace(signals, waiting=signals.waiting + held)
+        plan = self._plan(ctx, state, now)
         decision = decide(signals, t, current, now, state.get("calm_since"),
-                          state.get("idle_since"))
+                          state.get("idle_since"), plan)
         desired = decision.replicas
         if ctx.target_num_replicas > current and desired >= current:
             desired = max(desired, ctx.target_num_replicas)  # never cancel replicas starting
@@ -102,6 +104,38 @@ class PoolPolicy:
         state.update(calm_since=decision.calm_since, idle_since=decision.idle_since,
                      reason=decision.reason)
         return desired, state
+
+
+    def _plan(self, ctx: Any, state: dict[str, Any], now: float) -> Plan | None:
+        """The pool's forecast (autoscaler.forecast), kept in the policy state: the arrival
+        counters, the rates, the recent levels and the replicas' measured start time."""
+        t = self.targets
+        if t.capacity_rps <= 0:
+            return None
+        current, target = ctx.current_num_replicas, ctx.target_num_replicas
+        clock = state.get("start_clock") or StartClock(t.replica_start_s, ready=current)
+        clock.observe(now, current, target)
+        arrivals = state.get("arrivals") or Arrivals()
+        keep = max(TREND_WINDOW_S, t.downscale_delay_s)
+        rates = [(at, r) for at, r in state.get("rates", ()) if at > now - keep]
+        rate = arrivals.sample(now, arrival_counters(ctx))
+        if rate is not None:
+            rates.append((now, rate))
+        levels = [(at, r) for at, r in state.get("levels", ()) if at > now - t.downscale_delay_s]
+        levels.append((now, level(rates)))
+        state.update(start_clock=clock, arrivals=arrivals, rates=rates, levels=levels)
+        return Plan(rate=levels[-1][1], forecast=forecast(rates, clock.start_s),
+                    horizon_s=clock.start_s, peak_rate=max(r for _, r in levels))
+
+
+def arrival_counters(ctx: Any) -> dict[str, float]:
+    """Each running replica's latest arrival counter: the newest raw report where Serve gives
+    them (a mean over the look-back window would blur the counter's steps), else the mean."""
+    raw = (ctx.raw_metrics or {}).get("arrivals") if hasattr(ctx, "raw_metrics") else None
+    if raw:
+        return {str(replica): series[-1].value for replica, series in raw.items() if series}
+    return {str(replica): value for replica, value in
+            ((ctx.aggregated_metrics or {}).get("arrivals") or {}).items()}
 
 
 def ray_requests_policy(ctx: Any) -> tuple[float, dict[str, Any]]:

@@ -5,7 +5,10 @@ Requests are the Mooncake trace's shapes (prompts at full length up to the profi
 outputs up to --max-output-tokens, the trace's prefixes kept), arriving as a Poisson process at
 each phase's rate; tokenfab's kv_aware router places them. Setups:
 
-- autoscaler: tokenfab's policy (`autoscaler.serve_policy.PoolPolicy`), --min..--max replicas;
+- autoscaler: tokenfab's policy (`autoscaler.serve_policy.PoolPolicy`), --min..--max replicas,
+  planning: its capacity per replica (`capacity_rps`, and `target_ongoing`) is profiled first, in
+  this run, by `sim.profile` on 8 replicas at a sweep of rates against the same targets;
+- reactive: the same policy without the plan (`capacity_rps` 0), the profiled `target_ongoing`;
 - ray_default: Ray Serve's default (`ray_requests_policy`, target 2 ongoing requests per
   replica, 30 s up and 600 s down delays), same bounds;
 - static_max: --max replicas all the time; static_min: --min replicas.
@@ -15,8 +18,11 @@ A request meets the SLO when its TTFT is at most --ttft-slo and its mean inter-t
 draining replica holds its GPU too).
 
     .venv/bin/python benchmarks/sim_autoscaling.py [--phases 300,600,300 --rates 8,45,8]
+    .venv/bin/python benchmarks/sim_autoscaling.py --ramp-s 300 \
+        --out benchmarks/results/sim_autoscaling-ramp.json
 
-Writes benchmarks/results/sim_autoscaling.{json,md,png}.
+Writes benchmarks/results/sim_autoscaling.{json,md,png} (the burst a step, as the issue's
+pattern) or, with --ramp-s, the file --out names (the burst reached over that many seconds).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from autoscaler.serve_policy import PoolPolicy, ray_requests_policy
@@ -38,11 +45,12 @@ from sim.autoscale import ServeDelays, SimAutoscaler
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
+from sim.profile import Capacity, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
-SETUPS = ["autoscaler", "ray_default", "static_max", "static_min"]
+SETUPS = ["autoscaler", "reactive", "ray_default", "static_max", "static_min"]
 
 
 def requests(params: profiles.EngineParams, rows: list[dict[str, Any]], times: list[float],
@@ -60,12 +68,24 @@ def requests(params: profiles.EngineParams, rows: list[dict[str, Any]], times: l
     return out
 
 
-def policy_for(setup: str, args: argparse.Namespace) -> Any:
-    if setup == "autoscaler":
+def profile(params: profiles.EngineParams, rows: list[dict[str, Any]],
+            args: argparse.Namespace) -> Capacity:
+    """What one replica serves within the targets, on this workload (sim.profile)."""
+    def make(rate: float, seconds: float) -> list[SimRequest]:
+        return requests(params, rows, arrivals([(seconds, rate)], args.seed + 1),
+                        args.max_output_tokens)
+
+    return sweep(params, make, [0.25 * i for i in range(1, 17)], args.ttft_slo, args.itl_slo,
+                 replicas=8, seconds=240.0, max_ongoing_requests=args.max_ongoing)
+
+
+def policy_for(setup: str, args: argparse.Namespace, capacity: Capacity) -> Any:
+    if setup in ("autoscaler", "reactive"):
         return PoolPolicy("sim", "main", role="unified", min_replicas=args.min,
                           max_replicas=args.max, ttft_p90_s=args.ttft_slo,
-                          itl_p90_s=args.itl_slo, target_ongoing=args.target_ongoing,
-                          downscale_delay_s=30.0)
+                          itl_p90_s=args.itl_slo, target_ongoing=capacity.ongoing_per_replica,
+                          downscale_delay_s=30.0, replica_start_s=args.replica_start_s,
+                          capacity_rps=capacity.rate_per_replica if setup == "autoscaler" else 0)
     if setup == "ray_default":
         def raw(ctx: Any) -> tuple[float, dict[str, Any]]:
             ctx.config = _TargetTwo()
@@ -82,12 +102,12 @@ class _TargetTwo:
 
 
 def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: float,
-        args: argparse.Namespace) -> dict[str, Any]:
+        args: argparse.Namespace, capacity: Capacity) -> dict[str, Any]:
     loop = EventLoop()
     start = args.max if setup == "static_max" else args.min
-    sim = SimCluster(loop, params, "kv_aware", start)
+    sim = SimCluster(loop, params, "kv_aware", start, max_ongoing_requests=args.max_ongoing)
     sim.submit(reqs)
-    policy = policy_for(setup, args)
+    policy = policy_for(setup, args, capacity)
     began = time.perf_counter()
     scaler = SimAutoscaler(loop, sim, policy or (lambda ctx: (ctx.target_num_replicas, {})),
                            until=end + 60.0)
@@ -99,12 +119,55 @@ def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: 
     met = sum(t <= args.ttft_slo and i <= args.itl_slo for t, i in zip(ttft, itl))
     return {"setup": setup, "requests": len(reqs), "unfinished": len(reqs) - len(done),
             "slo_attainment": met / len(reqs), "replica_seconds": scaler.replica_seconds,
+            "slo_attainment_by_window": by_window(reqs, windows(args, params), args),
             "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p90_s": float(np.percentile(ttft, 90)),
             "itl_p90_s": float(np.percentile(itl, 90)),
             "max_replicas": max(n for _, n in scaler.timeline),
             "scale_changes": len(scaler.decisions),
             "timeline": scaler.timeline[::5], "wall_s": time.perf_counter() - began}
+
+
+def schedule(phases: list[tuple[float, float]], ramp_s: float,
+             step_s: float = 5.0) -> list[tuple[float, float]]:
+    """The phases, each after the first reaching its rate linearly over its first `ramp_s`
+    seconds (in `step_s` steps) instead of at once.
+
+    Example: (300 s at 8), (600 s at 45), ramp 300 s: 300 s at 8, then 60 steps of 5 s from
+    8.6 to 45 req/s, then 300 s at 45."""
+    out = [phases[0]]
+    for (_, before), (seconds, rate) in zip(phases, phases[1:]):
+        ramp = min(ramp_s, seconds)
+        steps = int(ramp // step_s)
+        out += [(step_s, before + (rate - before) * (k + 1) / steps) for k in range(steps)]
+        out.append((seconds - steps * step_s, rate))
+    return out
+
+
+def windows(args: argparse.Namespace, params: profiles.EngineParams) -> dict[str, list[float]]:
+    """The phases, and the first start latency of each phase after the first (while replicas
+    asked for at its start cannot serve yet)."""
+    out, edge = {}, 0.0
+    seconds = [float(x) for x in args.phases.split(",")]
+    for index, length in enumerate(seconds):
+        out[f"phase {index + 1}"] = [edge, edge + length]
+        if index:
+            out[f"phase {index + 1}, first {params.start_latency_s:.0f}s"] = \
+                [edge, edge + min(length, params.start_latency_s)]
+        edge += length
+    return out
+
+
+def by_window(reqs: list[SimRequest], spans: dict[str, list[float]],
+              args: argparse.Namespace) -> dict[str, float]:
+    out = {}
+    for name, (begin, end) in spans.items():
+        inside = [r for r in reqs if begin <= r.arrival < end]
+        met = sum(r.first_token is not None and r.first_token - r.arrival <= args.ttft_slo
+                  and (r.itl_sum_s / r.itl_count if r.itl_count else 0.0) <= args.itl_slo
+                  for r in inside)
+        out[name] = met / len(inside) if inside else float("nan")
+    return out
 
 
 def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path: Path) -> None:
@@ -135,9 +198,14 @@ def main() -> None:
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
     parser.add_argument("--phases", default="300,600,300", help="seconds of each phase")
     parser.add_argument("--rates", default="8,45,8", help="requests/s of each phase")
+    parser.add_argument("--ramp-s", type=float, default=0.0,
+                        help="each phase reaches its rate over this many seconds (0: a step)")
     parser.add_argument("--min", type=int, default=8)
     parser.add_argument("--max", type=int, default=64)
-    parser.add_argument("--target-ongoing", type=float, default=8.0)
+    parser.add_argument("--max-ongoing", type=int, default=256,
+                        help="requests a replica accepts; beyond, gateways hold them")
+    parser.add_argument("--replica-start-s", type=float, default=60.0,
+                        help="the plan's horizon until it has measured a start")
     parser.add_argument("--ttft-slo", type=float, default=3.0)
     parser.add_argument("--itl-slo", type=float, default=0.1)
     parser.add_argument("--max-output-tokens", type=int, default=1024)
@@ -147,16 +215,24 @@ def main() -> None:
     args = parser.parse_args()
     params = profiles.load(args.profile)
     phases = [(float(s), float(r)) for s, r in zip(args.phases.split(","), args.rates.split(","))]
-    times = arrivals(phases, args.seed)
+    times = arrivals(schedule(phases, args.ramp_s), args.seed)
     rows = workload.read_trace(TRACE)
+    began = time.perf_counter()
+    capacity = profile(params, rows, args)
+    profiled_s = time.perf_counter() - began
+    print(f"profiled in {profiled_s:.0f}s: {capacity.rate_per_replica:g} req/s, "
+          f"{capacity.ongoing_per_replica:.1f} ongoing per replica", flush=True)
     records = []
     for setup in args.setups.split(","):
         record = run(setup, params, requests(params, rows, times, args.max_output_tokens),
-                     sum(s for s, _ in phases), args)
+                     sum(s for s, _ in phases), args, capacity)
         print(json.dumps({k: v for k, v in record.items() if k != "timeline"}), flush=True)
         records.append(record)
-    result = {"profile": args.profile, "phases": phases, "ttft_slo_s": args.ttft_slo,
-              "itl_slo_s": args.itl_slo, "records": records}
+    result = {"profile": args.profile, "phases": phases, "ramp_s": args.ramp_s,
+              "max_ongoing_requests": args.max_ongoing, "ttft_slo_s": args.ttft_slo,
+              "itl_slo_s": args.itl_slo, "start_latency_s": params.start_latency_s,
+              "capacity": msgspec.to_builtins(capacity), "profile_wall_s": profiled_s,
+              "records": records}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -169,7 +245,8 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         "# Autoscaling at scale, simulated", "",
         f"`python benchmarks/sim_autoscaling.py --phases {args.phases} --rates {args.rates} "
-        f"--min {args.min} --max {args.max}`: Poisson arrivals of the Mooncake trace's requests, "
+        f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max}`: Poisson arrivals of the "
+        "Mooncake trace's requests, "
         f"profile `{args.profile}`, kv_aware routing; SLO: TTFT <= {args.ttft_slo:g} s and mean "
         f"inter-token gap <= {args.itl_slo:g} s. Simulated engines, tokenfab's real router and "
         "autoscaler policy (see sim/README.md).", "",
@@ -185,6 +262,23 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
                      f"{ratio} | {r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | "
                      f"{r['itl_p90_s']:.3f} | {r['max_replicas']} | {r['scale_changes']} | "
                      f"{r['requests']} |")
+    names = list(result["records"][0]["slo_attainment_by_window"])
+    lines += ["", "SLO attainment of the requests arriving in each window:", "",
+              "| setup | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for r in result["records"]:
+        lines.append(f"| {r['setup']} | " + " | ".join(
+            f"{r['slo_attainment_by_window'][n]:.3f}" for n in names) + " |")
+    cap = result["capacity"]
+    lines += ["", f"Capacity profiled first (sim.profile, 8 replicas, 240 s per rate, "
+              f"{result['profile_wall_s']:.0f} s of wall time): **{cap['rate_per_replica']:g} "
+              f"req/s per replica**, {cap['ongoing_per_replica']:.1f} requests in flight each.", "",
+              "| req/s per replica | TTFT signal p90 (s) | ITL signal p90 (s) | requests' TTFT "
+              "p90 (s) | requests' ITL p90 (s) | in flight per replica |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for p in cap["points"]:
+        lines.append(f"| {p['rate_per_replica']:g} | {p['ttft_p90_s']:.2f} | "
+                     f"{p['itl_p90_s']:.3f} | {p['request_ttft_p90_s']:.2f} | "
+                     f"{p['request_itl_p90_s']:.3f} | {p['ongoing_per_replica']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

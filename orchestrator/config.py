@@ -232,6 +232,15 @@ class AutoscalerSpec(_Strict):
     downscale_delay_s: float = Field(30.0, ge=0, description="Calm time before each step down.")
     idle_to_zero_s: float = Field(
         300.0, gt=0, description="Idle time before a pool with min_replicas 0 goes to zero.")
+    capacity_rps: float = Field(
+        0.0, ge=0, description="Requests/s one replica serves within the targets, profiled "
+        "offline (python -m sim capacity): turns on the plan, which sizes pools for the arrival "
+        "rate expected one replica start ahead (autoscaler/forecast.py). 0: no plan.")
+    headroom: float = Field(
+        0.2, ge=0, le=4, description="The plan sizes for the expected rate x (1 + headroom).")
+    replica_start_s: float = Field(
+        60.0, gt=0, description="A replica's start time, the plan's horizon until the policy "
+        "has measured one.")
     interval_s: float = Field(1.0, gt=0, description="How often each pool is decided.")
     look_back_s: float = Field(
         5.0, gt=0, description="Window over which replicas' signals are averaged.")

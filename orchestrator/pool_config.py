@@ -90,6 +90,9 @@ class PoolTargets(_Strict):
         None, gt=0, description="Requests one replica of this pool serves within the targets.")
     max_waiting_per_replica: float | None = Field(
         None, ge=0, description="Waiting requests per replica that count as a burst.")
+    capacity_rps: float | None = Field(
+        None, ge=0, description="Requests/s one replica of this pool serves within the targets "
+        "(the plan's capacity; python -m sim capacity).")
 
 
 class ParallelSpec(_Strict):

@@ -1,15 +1,19 @@
-"""python -m sim calibrate | replay: measure an engine's profile, or replay a trace in simulation.
+"""python -m sim calibrate | replay | capacity: measure an engine's profile, replay a trace in
+simulation, or find what one replica serves within latency targets (the autoscaler's plan).
 
     python -m sim calibrate --url http://127.0.0.1:8000 --model tiny \\
         --model-path ~/.cache/tokenfab/models/tiny-llama --kv-blocks 384 --out my-profile.json
     python -m sim replay --profile h100-llama-3.1-8b --trace ../shared/traces/synthetic_trace.jsonl \\
         --policy kv_aware --replicas 64 --rate 64
+    python -m sim capacity --profile h100-llama-3.1-8b \
+        --trace ../shared/traces/synthetic_trace.jsonl --ttft-p90-s 3 --itl-p90-s 0.1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -48,6 +52,36 @@ def _replay(args: argparse.Namespace) -> None:
     print()
 
 
+def _capacity(args: argparse.Namespace) -> None:
+    from sim.profile import sweep
+
+    params = profiles.load(args.profile)
+    rows = workload.read_trace(Path(args.trace))
+
+    def make(rate: float, seconds: float) -> list:
+        need = int(rate * seconds) + 1
+        tiled = workload.tile(rows, math.ceil(need / len(rows)), args.seed)[:need]
+        return workload.requests(
+            tiled, rate, tokens_per_id=args.tokens_per_id, block_size=params.block_size,
+            max_prompt_tokens=params.max_model_len - args.max_output_tokens,
+            output_tokens=lambda row: max(1, min(args.max_output_tokens, row["output_length"])))
+
+    rates = [args.step * k for k in range(1, int(args.max_rate / args.step) + 1)]
+    capacity = sweep(params, make, rates, args.ttft_p90_s, args.itl_p90_s,
+                     replicas=args.replicas, seconds=args.seconds)
+    print("req/s per replica | TTFT signal p90 | ITL signal p90 | in flight per replica")
+    for p in capacity.points:
+        print(f"{p.rate_per_replica:17g} | {p.ttft_p90_s:15.2f} | {p.itl_p90_s:14.3f} | "
+              f"{p.ongoing_per_replica:.1f}")
+    if capacity.rate_per_replica <= 0:
+        sys.exit(f"even {rates[0]:g} req/s per replica misses a target: no capacity to plan with")
+    print(f"\nautoscaler:  # or a pool's own autoscaling: section\n"
+          f"  capacity_rps: {capacity.rate_per_replica:g}\n"
+          f"  target_ongoing_requests: {capacity.ongoing_per_replica:.1f}\n"
+          f"  ttft_p90_s: {args.ttft_p90_s:g}\n  itl_p90_s: {args.itl_p90_s:g}\n"
+          f"  replica_start_s: {params.start_latency_s:g}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +113,20 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("--max-output-tokens", type=int, default=1024)
     rep.add_argument("--seed", type=int, default=0)
     rep.set_defaults(run=_replay)
+    cap = commands.add_parser("capacity", help="the requests/s one replica serves within "
+                              "latency targets, for the autoscaler's capacity_rps")
+    cap.add_argument("--profile", required=True, help="a profile name (sim/profiles) or file")
+    cap.add_argument("--trace", required=True, help="requests shaped as the pool's workload")
+    cap.add_argument("--ttft-p90-s", type=float, required=True)
+    cap.add_argument("--itl-p90-s", type=float, required=True)
+    cap.add_argument("--replicas", type=int, default=8)
+    cap.add_argument("--seconds", type=float, default=240.0, help="simulated time per rate")
+    cap.add_argument("--step", type=float, default=0.25, help="req/s per replica between rates")
+    cap.add_argument("--max-rate", type=float, default=16.0)
+    cap.add_argument("--tokens-per-id", type=int, default=512)
+    cap.add_argument("--max-output-tokens", type=int, default=1024)
+    cap.add_argument("--seed", type=int, default=0)
+    cap.set_defaults(run=_capacity)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -40,7 +40,8 @@ def replica_signals(engine: SimEngine, now: float, held: int) -> ReplicaSignals:
         generation_tokens_per_s=engine.generated_tokens.rate(now),
         queued_prompt_tokens=float(engine.queued_prompt_tokens()),
         prefill_capacity_tokens_per_s=engine.prefill_rate.p90(now),
-        in_flight=float(engine.load()), held=float(held))
+        in_flight=float(engine.load()), held=float(held),
+        arrivals=float(engine.arrivals))
 
 
 @dataclass
@@ -103,6 +104,7 @@ class SimAutoscaler:
         ctx = SimpleNamespace(
             policy_state=self._state, current_time=now, current_num_replicas=ready,
             target_num_replicas=target, aggregated_metrics=self._aggregated(now),
+            raw_metrics=self._raw(),
             total_queued_requests=len(cluster.held) if ready else 0,
             total_num_requests=len(cluster.held))
         desired, self._state = self.policy(ctx)
@@ -138,4 +140,15 @@ class SimAutoscaler:
             for metric in reports[0][1]:
                 values = [r[metric] for _, r in reports]
                 out.setdefault(metric, {})[name] = sum(values) / len(values)
+        return out
+
+    def _raw(self) -> dict[str, dict[str, list[SimpleNamespace]]]:
+        """{metric: {replica: its reports in the look-back window}}, as Serve's raw_metrics."""
+        out: dict[str, dict[str, list[SimpleNamespace]]] = {}
+        for name, reports in self._reports.items():
+            if not reports or self.cluster.replicas[name].state != "ready":
+                continue
+            for metric in reports[0][1]:
+                out.setdefault(metric, {})[name] = [
+                    SimpleNamespace(timestamp=at, value=r[metric]) for at, r in reports]
         return out

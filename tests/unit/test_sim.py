@@ -225,3 +225,40 @@ def test_serve_delays_hold_a_raw_policy_back() -> None:
     assert delayed(ctx)[0] == 1
     ctx.current_time = 30.0
     assert delayed(ctx)[0] == 3  # ceil(3.2) = 4, bounded to 3
+
+
+def test_capacity_is_the_last_rate_within_both_targets() -> None:
+    from sim.profile import Point, capacity
+
+    def point(rate: float, ttft: float, itl: float) -> Point:
+        return Point(rate, ttft, itl, ttft, itl, ongoing_per_replica=2 * rate, requests=100)
+
+    points = [point(0.5, 0.4, 0.02), point(1.0, 1.1, 0.05), point(1.5, 6.0, 0.05),
+              point(2.0, 2.0, 0.05)]  # 2.0 within again: noise past a breach does not count
+    assert capacity(points, 3.0, 0.1).rate_per_replica == 1.0
+    assert capacity(points, 3.0, 0.1).ongoing_per_replica == 2.0
+    assert capacity(points, 3.0, 0.01).rate_per_replica == 0.0  # even the lowest misses ITL
+
+
+def test_profiled_latency_and_load_grow_with_the_rate() -> None:
+    """sim.profile on the test engine: the signals the autoscaler would see, and Little's law."""
+    from sim.profile import sweep
+
+    params = PARAMS.with_kv_blocks(512)
+
+    def make(rate: float, seconds: float) -> list[SimRequest]:
+        rng = random.Random(1)
+        at, out = 0.0, []
+        while (at := at + rng.expovariate(rate)) < seconds:
+            out.append(request(f"q{len(out)}", at, 24, [], 20))
+        return out
+
+    found = sweep(params, make, [1.0, 2.0, 4.0, 8.0, 16.0], ttft_p90_s=0.5, itl_p90_s=0.05,
+                  replicas=2, seconds=60.0)
+    # 8 req/s per replica overloads the engine (TTFT p90 ~9 s): the sweep stops there
+    assert [p.rate_per_replica for p in found.points] == [1.0, 2.0, 4.0, 8.0]
+    assert found.rate_per_replica == 4.0 and found.points[-1].ttft_p90_s > 0.5
+    ongoing = [p.ongoing_per_replica for p in found.points]
+    assert ongoing == sorted(ongoing) and ongoing[0] > 0
+    ttft = [p.ttft_p90_s for p in found.points]
+    assert ttft == sorted(ttft)
