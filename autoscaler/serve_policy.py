@@ -133,7 +133,8 @@ def arrival_counters(ctx: Any) -> dict[str, float]:
     them (a mean over the look-back window would blur the counter's steps), else the mean."""
     raw = (ctx.raw_metrics or {}).get("arrivals") if hasattr(ctx, "raw_metrics") else None
     if raw:
-        return {str(replica): series[-1].value for replica, series in raw.items() if series}
+        return {str(replica): max(series, key=lambda v: v.timestamp).value
+                for replica, series in raw.items() if series}
     return {str(replica): value for replica, value in
             ((ctx.aggregated_metrics or {}).get("arrivals") or {}).items()}
 
