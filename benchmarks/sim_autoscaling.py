@@ -13,11 +13,16 @@ each phase's rate; tokenfab's kv_aware router places them. Setups:
   replica, 30 s up and 600 s down delays), same bounds;
 - static_max: --max replicas all the time; static_min: --min replicas.
 
+The first quiet phase is longer than Serve's default 600 s scale-down delay: every setup meets
+the burst at the size its policy holds for the quiet rate, not at what the start-up transient
+left (with a 300 s first phase, ray_default still held the replicas the trace's heavy first
+minute had asked for when the burst came).
+
 A request meets the SLO when its TTFT is at most --ttft-slo and its mean inter-token gap at most
 --itl-slo. Replica-seconds count every replica from its start until it is gone (a starting or
 draining replica holds its GPU too).
 
-    .venv/bin/python benchmarks/sim_autoscaling.py [--phases 300,600,300 --rates 8,45,8]
+    .venv/bin/python benchmarks/sim_autoscaling.py [--phases 900,600,600 --rates 8,45,8]
     .venv/bin/python benchmarks/sim_autoscaling.py --ramp-s 300 \
         --out benchmarks/results/sim_autoscaling-ramp.json
 
@@ -196,7 +201,7 @@ def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
-    parser.add_argument("--phases", default="300,600,300", help="seconds of each phase")
+    parser.add_argument("--phases", default="900,600,600", help="seconds of each phase")
     parser.add_argument("--rates", default="8,45,8", help="requests/s of each phase")
     parser.add_argument("--ramp-s", type=float, default=0.0,
                         help="each phase reaches its rate over this many seconds (0: a step)")
