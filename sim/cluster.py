@@ -117,12 +117,13 @@ class SimCluster:
             self.loop.at(request.arrival, lambda r=request: self._route(r))
         self._tick()
 
-    def _route(self, request: SimRequest) -> None:
+    def _route(self, request: SimRequest) -> bool:
+        """Dispatch `request`, or hold it (False) while no ready replica has room."""
         service = self.service
         available = [r for r in self.ready_replicas() if service.in_flight(r) < self.max_ongoing]
         if not available:
             self.held.append(request)
-            return
+            return False
         hashes = list(request.block_hashes) if self.policy.uses_prefixes else []
         key = RouteKey(request.request_id, request.prompt_tokens, self.params.block_size, hashes)
         began = time.perf_counter_ns()
@@ -132,6 +133,7 @@ class SimCluster:
         request.replica = target
         engine = self.replicas[target].engine
         self.loop.after(self.params.overhead_s(engine.load()), lambda: engine.add(request))
+        return True
 
     def _first_token(self, request: SimRequest) -> None:
         self.service.first_token(request.request_id)
@@ -146,8 +148,12 @@ class SimCluster:
         self._retry_held()
 
     def _retry_held(self) -> None:
-        for _ in range(len(self.held)):
-            self._route(self.held.popleft())
+        """Place held requests, oldest first, until no replica has room (then none would: room
+        does not depend on the request; trying each one made an overloaded pool quadratic)."""
+        while self.held:
+            if not self._route(self.held.popleft()):
+                self.held.appendleft(self.held.pop())  # back at the head, where it waited
+                return
 
     def _events(self, replica: ReplicaId, events: list[tuple[bool, int]]) -> None:
         if not self.policy.reads_block_map:  # the gateway follows no events then
