@@ -48,18 +48,21 @@ class KVBlockIndex:
                 self.clear(replica)
 
     def add(self, replica: ReplicaId, hashes: Iterable[EngineBlockHash], medium: str) -> None:
-        owned = self._blocks.setdefault(replica, set())
+        owned, table, new = self._blocks.setdefault(replica, set()), self._holders, 0
         for block in hashes:
-            holders = self._holders.get(block)
+            holders = table.get(block)
             if holders is None:
-                holders = self._holders[block] = {}
+                table[block] = {replica: medium}
             else:
-                self._holders.move_to_end(block)
-            if replica not in holders:
-                self._entries += 1
-                owned.add(block)
-                self._stored[replica] = self._stored.get(replica, 0) + 1
-            holders[replica] = medium
+                table.move_to_end(block)
+                if replica in holders:
+                    holders[replica] = medium
+                    continue
+                holders[replica] = medium
+            new += 1
+            owned.add(block)
+        self._entries += new
+        self._stored[replica] = self._stored.get(replica, 0) + new
         self._shrink()
 
     def remove(self, replica: ReplicaId, hashes: Iterable[EngineBlockHash]) -> None:
@@ -91,26 +94,25 @@ class KVBlockIndex:
 
         Example: replica a holds [h1, h2], b holds [h1, h3]; for [h1, h2, h3] -> {a: 2, b: 1}.
         """
-        matched: dict[ReplicaId, int] = {}
-        alive: set[ReplicaId] | None = None
-        for depth, block in enumerate(hashes):
-            holders = self._holders.get(block)
+        table, matched = self._holders, dict[ReplicaId, int]()
+        alive: list[ReplicaId] = []
+        depth = 0
+        for block in hashes:
+            holders = table.get(block)
             if not holders:
                 break
-            if alive is None:
-                alive = set(holders)
-            elif len(alive) == 1:  # the common tail: one replica left, no set building
-                (replica,) = alive
-                if replica not in holders:
+            if len(alive) == 1:  # the common tail: one replica left, no list building
+                if alive[0] not in holders:
                     break
-                matched[replica] = depth + 1
-                continue
             else:
-                alive.intersection_update(holders)
-                if not alive:
+                kept = list(holders) if not depth else [r for r in alive if r in holders]
+                if not kept:
                     break
-            for replica in alive:
-                matched[replica] = depth + 1
+                if len(kept) < len(alive):
+                    matched.update((r, depth) for r in set(alive).difference(kept))
+                alive = kept
+            depth += 1
+        matched.update((r, depth) for r in alive)
         return matched
 
     def medium(self, replica: ReplicaId, block: EngineBlockHash) -> str | None:

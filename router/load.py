@@ -86,8 +86,8 @@ class LoadTracker:
     def in_flight(self, replica: ReplicaId) -> int:
         return self._in_flight.get(replica, 0)
 
-    def ttft_params(self, replica: ReplicaId) -> TTFTParams:
-        return self.model.params(replica)
+    def ttft_params(self, replica: ReplicaId, now: float | None = None) -> TTFTParams:
+        return self.model.params(replica, now)
 
     def forget(self, replica: ReplicaId) -> None:
         """The replica is gone: its requests will end with errors; stop counting them."""
@@ -100,41 +100,98 @@ class LoadTracker:
 
 class DispatchHistory:
     """Which block-hash prefixes this router sent to each replica within `ttl_s`, bounded to
-    `capacity` entries (oldest out first). Where the engines' events are followed, an eviction
-    they report removes the entry (`forget_blocks`); otherwise the TTL bounds how long a stale
-    entry can mislead."""
+    `capacity` (block, replica) pairs: past it, the blocks sent least recently leave first, with
+    all their replicas. Where the engines' events are followed, an eviction they report removes
+    the entry (`forget_blocks`); otherwise the TTL bounds how long a stale entry can mislead.
 
-    def __init__(self, ttl_s: float = 300.0, capacity: int = 1_000_000,
+    Kept by block, like the engine-fed map (router/index.py): one walk answers for every replica
+    at once. Only every `stride`-th block of a prompt and its last one are kept (hashes are
+    chained, so a block stands for the prefix up to it): recording and a lookup cost
+    O(blocks / stride), and a match is reported to the last such block it reaches, at most
+    `stride - 1` blocks short. The engine-fed map stays exact; this is the router's own guess.
+
+    Example (stride 4): a 10-block prompt keeps blocks 4, 8 and 10; a later prompt sharing its
+    first 9 blocks matches 8 of them.
+    """
+
+    def __init__(self, ttl_s: float = 300.0, capacity: int = 1_000_000, stride: int = 4,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._ttl, self._capacity, self._clock = ttl_s, capacity, clock
-        self._seen: OrderedDict[tuple[ReplicaId, EngineBlockHash], float] = OrderedDict()
+        self._ttl, self._capacity, self._stride, self._clock = ttl_s, capacity, stride, clock
+        self._sent: OrderedDict[EngineBlockHash, dict[ReplicaId, float]] = OrderedDict()
+        self._entries = 0
+
+    def _kept(self, hashes: Sequence[EngineBlockHash]) -> list[tuple[int, EngineBlockHash]]:
+        """(depth, block) of the blocks kept: every `stride`-th, and the last."""
+        n, stride = len(hashes), self._stride
+        kept = [(i + 1, hashes[i]) for i in range(stride - 1, n, stride)]
+        if n % stride:
+            kept.append((n, hashes[-1]))
+        return kept
 
     def record(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
-        now = self._clock()
-        for block in hashes:
-            self._seen[(replica, block)] = now
-            self._seen.move_to_end((replica, block))
-        while len(self._seen) > self._capacity:
-            self._seen.popitem(last=False)
+        now, sent, new = self._clock(), self._sent, 0
+        for _, block in self._kept(hashes):
+            replicas = sent.get(block)
+            if replicas is None:
+                sent[block] = {replica: now}
+                new += 1
+                continue
+            sent.move_to_end(block)
+            new += replica not in replicas
+            replicas[replica] = now
+        self._entries += new
+        while self._entries > self._capacity:
+            _, replicas = sent.popitem(last=False)
+            self._entries -= len(replicas)
 
-    def cached_blocks(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> int:
-        """Leading blocks of `hashes` sent to `replica` within the TTL."""
-        now, count = self._clock(), 0
-        for block in hashes:
-            seen = self._seen.get((replica, block))
-            if seen is None or now - seen > self._ttl:
+    def longest_prefix(self, hashes: Sequence[EngineBlockHash]) -> dict[ReplicaId, int]:
+        """Leading blocks of `hashes` sent to each replica within the TTL, to the last kept
+        block matched; replicas with none are left out.
+
+        Example (stride 1): a was sent [h1, h2] 10 s ago, b [h1] 400 s ago (TTL 300 s); for
+        [h1, h2, h3] -> {a: 2}.
+        """
+        fresh, sent = self._clock() - self._ttl, self._sent
+        matched: dict[ReplicaId, int] = {}
+        alive: list[ReplicaId] = []
+        reached = 0
+        for depth, block in self._kept(hashes):
+            replicas = sent.get(block)
+            if replicas is None:
                 break
-            count += 1
-        return count
+            if len(alive) == 1:  # the common tail: one replica left, no list building
+                at = replicas.get(alive[0])
+                if at is None or at < fresh:
+                    break
+            else:
+                kept = [r for r, at in replicas.items() if at >= fresh] if not reached else \
+                    [r for r in alive if replicas.get(r, -math.inf) >= fresh]
+                if not kept:
+                    break
+                if len(kept) < len(alive):
+                    matched.update((r, reached) for r in set(alive).difference(kept))
+                alive = kept
+            reached = depth
+        matched.update((r, reached) for r in alive)
+        return matched
 
     def forget_blocks(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
         """The replica evicted these blocks: a prefix through them is no longer there."""
+        sent = self._sent
         for block in hashes:
-            self._seen.pop((replica, block), None)
+            replicas = sent.get(block)
+            if replicas is not None and replicas.pop(replica, None) is not None:
+                self._entries -= 1
+                if not replicas:
+                    del sent[block]
 
     def forget(self, replica: ReplicaId) -> None:
-        for key in [k for k in self._seen if k[0] == replica]:
-            del self._seen[key]
+        for block in [b for b, replicas in self._sent.items() if replica in replicas]:
+            self.forget_blocks(replica, [block])
+
+    def __len__(self) -> int:
+        """(block, replica) pairs held."""
+        return self._entries
 
 
 class CacheChurn:
@@ -151,8 +208,8 @@ class CacheChurn:
         self._window, self._clock = window_s, clock
         self._seen: dict[ReplicaId, tuple[int, float, float]] = {}  # counter, recent, at
 
-    def recent(self, replica: ReplicaId, stored_total: int) -> float:
-        now = self._clock()
+    def recent(self, replica: ReplicaId, stored_total: int, now: float | None = None) -> float:
+        now = self._clock() if now is None else now
         counter, recent, at = self._seen.get(replica, (stored_total, 0.0, now))
         recent = recent * math.exp(-(now - at) / self._window) + max(0, stored_total - counter)
         self._seen[replica] = (stored_total, recent, now)

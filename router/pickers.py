@@ -25,7 +25,7 @@ class MaxScorePicker:
     def rank(self, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
         if not candidates:
             return []
-        order = sorted(range(len(candidates)), key=lambda i: -scores[i])
+        order = sorted(range(len(candidates)), key=scores.__getitem__, reverse=True)
         cutoff = scores[order[0]] * (1.0 - self._tolerance) if scores[order[0]] > 0 else 0.0
         top = [i for i in order if scores[i] >= cutoff]
         self._rng.shuffle(top)

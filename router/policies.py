@@ -62,13 +62,15 @@ class Policy:
         for step in self.filters:
             kept = step.filter(request, kept)
         totals = [0.0] * len(kept)
-        for scorer, weight in self.weights.items():
-            for i, value in enumerate(self._scorers[scorer].score(request, kept)):
-                totals[i] += weight * min(1.0, max(0.0, value))
+        for scorer, weight in self.weights.items():  # each score clamped to [0, 1]
+            values = self._scorers[scorer].score(request, kept)
+            totals = [total + weight * (v if 0.0 <= v <= 1.0 else float(v > 1.0))
+                      for total, v in zip(totals, values)]
         ranked = self.picker.rank(kept, totals)
-        kept_ids = {c.replica for c in kept}
-        dropped = [c for c in candidates if c.replica not in kept_ids]
-        return Scored(ranked + dropped, {c.replica: totals[i] for i, c in enumerate(kept)})
+        if len(kept) < len(candidates):
+            kept_ids = {c.replica for c in kept}
+            ranked += [c for c in candidates if c.replica not in kept_ids]
+        return Scored(ranked, dict(zip([c.replica for c in kept], totals)))
 
 
 def build_policy(name: str, weights: Mapping[str, float] | None = None, *,

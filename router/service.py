@@ -32,6 +32,7 @@ from router.wire import ReplicaView, RouteKey
 logger = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 1.0  # a replica's stream that stopped on an error is followed anew after this
+MAX_PENDING_LOOKUPS = 4096  # ranked requests whose prefix lookup is kept for their dispatch
 
 
 class RoutingService:
@@ -46,7 +47,7 @@ class RoutingService:
         self.pool, self.policy = pool, policy
         self._breakers = breakers or CircuitBreakers(clock=clock)
         self._event_credentials = event_credentials
-        self._hasher_factory, self._metrics = hasher_factory, metrics
+        self._hasher_factory, self._metrics, self._clock = hasher_factory, metrics, clock
         self._follow_events = follow_events and policy.reads_block_map  # else nothing reads them
         self._history = DispatchHistory(history_ttl_s, clock=clock)
         # an eviction the engine reports ends the affinity this router remembers for the block
@@ -60,6 +61,7 @@ class RoutingService:
         self._hashers: dict[int, BlockHasher] = {}
         self._context: zmq.asyncio.Context | None = None
         self._counted: dict[ReplicaId, tuple[int, int, int]] = {}
+        self._held: dict[str, dict[ReplicaId, int]] = {}  # ranked, not yet dispatched
         if metrics is not None:  # every series exists from the start, at 0
             metrics.decisions.labels(pool, policy.name)
             for outcome in ("replayed", "cleared"):
@@ -89,7 +91,8 @@ class RoutingService:
 
         The request is counted on its first choice at once, so requests routed in the same
         instant see each other's load (`dispatched` corrects it, `finished` removes it)."""
-        candidates = self._candidates(key, replicas)
+        candidates, held = self._candidates(key, replicas)
+        self._remember(key.request_id, held)
         request = _request(key)
         scored = self.policy.rank(request, candidates)
         if scored.ranked:
@@ -97,10 +100,21 @@ class RoutingService:
             self._tracker.dispatched(key.request_id, first.replica, first.uncached_tokens(request))
         return [c.replica for c in scored.ranked]
 
+    def _remember(self, request_id: str, held: dict[ReplicaId, int]) -> None:
+        """Keep a ranked request's prefix lookup for its `dispatched` (a 16k-token prompt is
+        1,000 blocks to walk again); bounded, for callers that rank and never dispatch."""
+        pending = self._held
+        pending.pop(request_id, None)
+        pending[request_id] = held
+        if len(pending) > MAX_PENDING_LOOKUPS:
+            del pending[next(iter(pending))]
+
     def dispatched(self, key: RouteKey, replica: ReplicaId) -> None:
         """The request went to `replica`: count its load there and remember its prefix."""
-        matched = self._index.longest_prefix(key.block_hashes).get(replica, 0) \
-            if key.block_hashes else 0
+        held = self._held.pop(key.request_id, None)
+        if held is None and key.block_hashes:
+            held = self._index.longest_prefix(key.block_hashes)
+        matched = held.get(replica, 0) if held else 0
         cached = min(matched * key.block_size, key.prompt_tokens)
         self._breakers.answered(replica)
         self._tracker.dispatched(key.request_id, replica, key.prompt_tokens - cached)
@@ -115,6 +129,7 @@ class RoutingService:
         self._tracker.first_token(request_id)
 
     def finished(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
         self._tracker.finished(request_id)
 
     def migration(self, outcome: str) -> None:
@@ -148,51 +163,53 @@ class RoutingService:
         return self._tracker.in_flight(replica)
 
     def _candidates(self, key: RouteKey, replicas: Sequence[ReplicaId],
-                    explain: bool = False) -> list[Candidate]:
+                    explain: bool = False) -> tuple[list[Candidate], dict[ReplicaId, int]]:
         """Snapshots of `replicas` for this request (a hot path: ~1 us per replica, and the
         TTFT model's ~2 us only where a scorer reads it, or to explain a decision)."""
         hashes, block, prompt = key.block_hashes, key.block_size, key.prompt_tokens
         held = self._index.longest_prefix(hashes) if hashes else {}
-        approx = "approx_prefix" in self.policy.weights and bool(hashes)
+        approx = self._history.longest_prefix(hashes) \
+            if "approx_prefix" in self.policy.weights and hashes else {}
         room = "cache_room" in self.policy.weights
         modelled = explain or "ttft" in self.policy.weights
-        tracker, views, history = self._tracker, self._views, self._history
+        tracker, views, now = self._tracker, self._views, self._clock()
         prior = _PRIOR
         out = []
         for replica in replicas:
             view = views.get(replica)
-            model = tracker.ttft_params(replica) if modelled else prior
+            model = tracker.ttft_params(replica, now) if modelled else prior
             queued = tracker.queued_prefill_tokens(replica)
             out.append(Candidate(
                 replica=replica,
                 cached_tokens=min(held.get(replica, 0) * block, prompt),
-                approx_cached_tokens=min(history.cached_blocks(replica, hashes) * block, prompt)
-                if approx else 0,
+                approx_cached_tokens=min(approx.get(replica, 0) * block, prompt),
                 queued_prefill_tokens=queued,
                 in_flight=max(tracker.in_flight(replica), view.in_flight if view else 0),
                 kv_usage=view.kv_usage if view else 0.0,
                 prefill_tokens_per_s=model.tokens_per_s,
                 in_flight_cost_tokens=model.in_flight_cost_tokens,
                 overhead_s=model.overhead_s,
-                cache_fill=self._cache_fill(replica, view, queued // max(block, 1)) if room else 0.0,
+                cache_fill=self._cache_fill(replica, view, queued // max(block, 1), now)
+                if room else 0.0,
             ))
-        return out
+        return out, held
 
-    def _cache_fill(self, replica: ReplicaId, view: ReplicaView | None, queued: int) -> float:
+    def _cache_fill(self, replica: ReplicaId, view: ReplicaView | None, queued: int,
+                    now: float) -> float:
         """Blocks held, stored in about the last minute, and queued, over the replica's capacity.
 
         Example: 300 of 350 blocks held, 400 stored lately, 50 queued -> 750 / 350 = 2.14."""
         if view is None or not view.kv_blocks:
             return 0.0
         held = self._index.blocks_of(replica)
-        churn = self._churn.recent(replica, self._index.stored_by(replica))
+        churn = self._churn.recent(replica, self._index.stored_by(replica), now)
         return (held + churn + queued) / view.kv_blocks
 
     # -- introspection ------------------------------------------------------------------------
 
     def explain(self, key: RouteKey) -> dict[str, Any]:
         """What the policy would do with this request now (for `/tokenfab/route`)."""
-        candidates = self._candidates(key, sorted(self._views), explain=True)
+        candidates, _ = self._candidates(key, sorted(self._views), explain=True)
         request = _request(key)
         scored = self.policy.rank(request, candidates)
         return {

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from router.index import ReplicaId
@@ -29,8 +30,7 @@ from router.index import ReplicaId
 _SCALE = 1000.0  # work in thousands of tokens keeps the normal equations well conditioned
 
 
-@dataclass(frozen=True)
-class TTFTParams:
+class TTFTParams(msgspec.Struct, frozen=True):
     """What a scorer needs for one replica; estimate = overhead_s + work_tokens / tokens_per_s."""
 
     tokens_per_s: float
@@ -59,6 +59,7 @@ class TTFTModel:
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _theta: np.ndarray | None = None
+    _fit: tuple[float, float, float] = (0.0, 1.0, 0.0)  # _theta as floats: read per replica
     _speeds: dict[ReplicaId, _Speed] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,6 +67,7 @@ class TTFTModel:
         self._prior = np.array([self.prior_overhead_s, seconds_per_k,
                                 self.prior_in_flight_cost_tokens / self.prior_tokens_per_s])
         self._theta = self._prior.copy()
+        self._fit = tuple(map(float, self._theta))
 
     def observe(self, replica: ReplicaId, work_tokens: int, busy: int, elapsed_s: float) -> None:
         """One first token: `work_tokens` had to be prefilled before it, beside `busy` others."""
@@ -83,6 +85,7 @@ class TTFTModel:
         self._moment = self.decay * self._moment + x * elapsed_s
         self.samples += 1
         self._theta = self._solve()
+        self._fit = tuple(map(float, self._theta))
 
     def _solve(self) -> np.ndarray:
         ridge = np.eye(3)  # the prior counts as one sample of each feature
@@ -92,7 +95,7 @@ class TTFTModel:
         theta[2] = max(theta[2], 0.0)
         return theta
 
-    def speed(self, replica: ReplicaId) -> float:
+    def speed(self, replica: ReplicaId, now: float | None = None) -> float:
         """How many times slower than predicted the replica's recent first tokens came.
 
         Example (prior 5 samples, clip 3, half-life 30 s): one sample took 1.0 s where 0.15 s
@@ -102,15 +105,16 @@ class TTFTModel:
         s = self._speeds.get(replica)
         if s is None:
             return 1.0
-        fade = self._fade(s, self.clock())
+        fade = self._fade(s, self.clock() if now is None else now)
         return math.exp(fade * s.log_ratio / (fade * s.weight + self.speed_prior_samples))
 
     def _fade(self, speed: _Speed, now: float) -> float:
         return 0.5 ** (max(0.0, now - speed.at) / self.speed_half_life_s)
 
-    def params(self, replica: ReplicaId) -> TTFTParams:
-        overhead, per_k, per_busy = self._theta
-        speed = self.speed(replica)
+    def params(self, replica: ReplicaId, now: float | None = None) -> TTFTParams:
+        """The replica's law (`now`: the clock's reading, when the caller has it already)."""
+        overhead, per_k, per_busy = self._fit
+        speed = self.speed(replica, now)
         return TTFTParams(tokens_per_s=_SCALE / (per_k * speed),
                           in_flight_cost_tokens=per_busy * _SCALE / per_k,
                           overhead_s=overhead * speed)

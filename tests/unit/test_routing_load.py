@@ -12,7 +12,7 @@ from router.index import ReplicaId
 from router.load import CacheChurn, DispatchHistory, LoadTracker
 from router.ttft_model import TTFTModel
 
-A, B = ReplicaId("a"), ReplicaId("b")
+A, B, C, D = ReplicaId("a"), ReplicaId("b"), ReplicaId("c"), ReplicaId("d")
 
 
 class Clock:
@@ -108,19 +108,55 @@ def test_a_slower_replica_shows_in_its_speed_while_noise_does_not() -> None:
 
 def test_dispatch_history_prefix_ttl_and_capacity() -> None:
     clock = Clock()
-    history = DispatchHistory(ttl_s=10.0, capacity=4, clock=clock)
+    history = DispatchHistory(ttl_s=10.0, capacity=4, stride=1, clock=clock)
     history.record(A, [1, 2, 3])
-    assert history.cached_blocks(A, [1, 2, 9]) == 2
-    assert history.cached_blocks(B, [1, 2]) == 0
+    assert history.longest_prefix([1, 2, 9]) == {A: 2}
+    assert history.longest_prefix([9, 1]) == {}
     clock.now = 11.0
-    assert history.cached_blocks(A, [1]) == 0  # expired
-    history.record(B, [1, 2])  # 5 entries > capacity 4: the oldest (a, 1) goes
-    assert history.cached_blocks(B, [1, 2]) == 2
+    assert history.longest_prefix([1]) == {}  # expired
+    history.record(B, [1, 2])  # 5 pairs > capacity 4: block 3, sent least recently, goes
+    assert len(history) == 4
+    assert history.longest_prefix([1, 2, 3]) == {B: 2}
     clock.now = 12.0
-    history.record(A, [2, 3])
-    assert history.cached_blocks(A, [1, 2]) == 0  # (a, 1) is gone, so the prefix breaks there
+    history.record(A, [2, 3])  # 5 pairs again: block 1 goes, with both its replicas
+    assert len(history) == 3
+    assert history.longest_prefix([1, 2]) == {}  # block 1 is gone, so the prefix breaks there
+    assert history.longest_prefix([2, 3]) == {A: 2, B: 1}
     history.forget(B)
-    assert history.cached_blocks(B, [1]) == 0
+    assert history.longest_prefix([2]) == {A: 1}
+    assert len(history) == 2
+
+
+def test_dispatch_history_answers_every_replica_in_one_walk() -> None:
+    """Replicas drop out where their prefix ends, or where their entry is past the TTL, and
+    keep the depth they reached (the docstring's example, and more)."""
+    clock = Clock()
+    history = DispatchHistory(ttl_s=300.0, stride=1, clock=clock)
+    history.record(B, [1])
+    clock.now = 400.0
+    history.record(A, [1, 2])
+    history.record(C, [1, 2, 3, 4])
+    history.record(D, [1, 2, 3, 5])
+    assert history.longest_prefix([1, 2, 3]) == {A: 2, C: 3, D: 3}
+    assert history.longest_prefix([1, 2, 3, 4, 6]) == {A: 2, C: 4, D: 3}
+    clock.now = 690.0  # B's [1] was sent 690 s ago, the others 290 s ago
+    assert history.longest_prefix([1, 2, 3, 5]) == {A: 2, C: 3, D: 4}
+
+
+def test_dispatch_history_keeps_every_stride_th_block_and_the_last() -> None:
+    """The docstring's example (stride 4): a 10-block prompt keeps blocks 4, 8 and 10."""
+    history = DispatchHistory(stride=4)
+    sent = list(range(100, 110))
+    history.record(A, sent)
+    assert len(history) == 3
+    assert history.longest_prefix(sent[:9] + [0]) == {A: 8}
+    assert history.longest_prefix(sent) == {A: 10}
+    assert history.longest_prefix(sent + [7, 8]) == {A: 8}  # its blocks 4, 8, 12 are looked up
+    assert history.longest_prefix(sent[:3]) == {}  # the last block, 3, was not kept
+    history.forget_blocks(A, [sent[1]])  # not kept: nothing changes
+    assert history.longest_prefix(sent) == {A: 10}
+    history.forget_blocks(A, [sent[7]])  # kept: the prefix breaks there
+    assert history.longest_prefix(sent) == {A: 4}
 
 
 def test_a_replica_measured_slow_once_fades_back_to_the_pool() -> None:
@@ -138,11 +174,11 @@ def test_a_replica_measured_slow_once_fades_back_to_the_pool() -> None:
 
 
 def test_dispatch_history_forgets_what_the_engine_evicted() -> None:
-    history = DispatchHistory()
+    history = DispatchHistory(stride=1)
     history.record(A, [1, 2, 3])
     history.record(B, [1, 2, 3])
     history.forget_blocks(A, [2])
-    assert (history.cached_blocks(A, [1, 2, 3]), history.cached_blocks(B, [1, 2, 3])) == (1, 3)
+    assert history.longest_prefix([1, 2, 3]) == {A: 1, B: 3}
 
 
 def test_cache_churn_counts_recent_stores_and_forgets_old_ones() -> None:
