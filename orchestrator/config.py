@@ -92,6 +92,11 @@ class RouterSpec(_Strict):
     tie_tolerance: float = Field(
         0.05, ge=0, lt=1, description="Replicas scoring within this fraction of the best are "
         "picked at random among themselves.")
+    max_candidates: int = Field(
+        64, ge=0, description="Replicas scored per request (each costs the router a few "
+        "microseconds): in a larger pool, those holding the longest prefixes of the request "
+        "(up to half) and a random sample of the others; the rest are fallbacks. 0 scores "
+        "every replica. round_robin ignores it.")
     in_flight_cost_tokens: float = Field(
         128.0, ge=0, description="kv_aware prior, until fitted from observed first tokens: each "
         "request in flight on a replica counts as this many prompt tokens of work ahead.")

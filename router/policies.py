@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker
+from router.index import ReplicaId
 from router.plugins import Candidate, Filter, Picker, RouteRequest
 from router.scorers import SCORERS, OverloadFilter
 
@@ -22,6 +23,7 @@ DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
     "least_loaded": {"queue": 1.0},
 }
 POLICIES = tuple(DEFAULT_WEIGHTS)
+DEFAULT_MAX_CANDIDATES = 64  # replicas scored per decision (about 5 us each); 0: all
 _PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft", "cache_room"})  # read the blocks
 _MAP_SCORERS = frozenset({"prefix", "ttft", "cache_room"})  # read the map fed by engine events
 
@@ -35,14 +37,17 @@ class Scored:
 
 
 class Policy:
-    """Stateless apart from the picker's randomness or cursor; safe to call from one thread."""
+    """Stateless apart from the randomness or cursor of the picker and of `shortlist`; safe to
+    call from one thread."""
 
     def __init__(self, name: str, filters: Sequence[Filter], weights: Mapping[str, float],
-                 picker: Picker, scorer_args: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 picker: Picker, scorer_args: Mapping[str, Mapping[str, Any]] | None = None,
+                 *, max_candidates: int = 0, rng: random.Random | None = None) -> None:
         unknown = sorted(set(weights) - set(SCORERS))
         if unknown:
             raise ValueError(f"unknown scorer(s) {unknown}; known: {sorted(SCORERS)}")
         self.name, self.filters, self.picker = name, list(filters), picker
+        self.max_candidates, self._rng = max_candidates, rng or random.Random()
         self.weights = {scorer: weight for scorer, weight in weights.items() if weight}
         args = scorer_args or {}
         self._scorers = {scorer: SCORERS[scorer](**args.get(scorer, {})) for scorer in self.weights}
@@ -56,6 +61,34 @@ class Policy:
     def reads_block_map(self) -> bool:
         """Whether ranking reads the KV block map (else no engine events are followed)."""
         return bool(_MAP_SCORERS & set(self.weights))
+
+    def shortlist(self, replicas: Sequence[ReplicaId], depths: Mapping[ReplicaId, int],
+                  ) -> tuple[list[ReplicaId], list[ReplicaId]]:
+        """The replicas to snapshot and score for a request, and the rest: fallbacks, unscored,
+        in their given order rotated at random.
+
+        Scoring costs each replica a few microseconds per request, so a pool of 1,024 would cost
+        milliseconds a decision. Past `max_candidates` (0: no bound; policies without scorers
+        see every replica), the replicas holding the longest prefixes of the request (`depths`,
+        in blocks; at most half the places) and a uniform sample of the others are scored: the
+        power of d choices for load, with the prefix holders always among them.
+
+        Example (max 4): replicas a..h, depths {c: 10, f: 3, z: 5} (z is not offered) -> c, f
+        and 2 of the other 6 at random are scored; the remaining 4 follow.
+        """
+        limit = self.max_candidates
+        if not limit or not self.weights or len(replicas) <= limit:
+            return list(replicas), []
+        offered = set(replicas)
+        holders = sorted((r for r in depths if r in offered), key=depths.__getitem__,
+                         reverse=True)[:limit // 2]
+        chosen = set(holders)
+        others = [r for r in replicas if r not in chosen]
+        sample = self._rng.sample(others, limit - len(holders))
+        chosen.update(sample)
+        rest = [r for r in others if r not in chosen]
+        turn = self._rng.randrange(len(rest)) if rest else 0
+        return holders + sample, rest[turn:] + rest[:turn]
 
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Scored:
         kept = list(candidates)
@@ -75,13 +108,17 @@ class Policy:
 
 def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
                  max_in_flight: int = 64, tolerance: float = 0.05,
+                 max_candidates: int = DEFAULT_MAX_CANDIDATES,
                  rng: random.Random | None = None) -> Policy:
     """The policy called `name` in a topology file, with optional scorer weights."""
     if name not in DEFAULT_WEIGHTS:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(DEFAULT_WEIGHTS)}")
+    rng = rng or random.Random()
     if name == "round_robin":
         return Policy(name, [], {}, RoundRobinPicker())
     if name == "least_loaded":  # Ray Serve's default router: power of two choices on queue length
-        return Policy(name, [], DEFAULT_WEIGHTS[name], PowerOfTwoPicker(rng))
+        return Policy(name, [], DEFAULT_WEIGHTS[name], PowerOfTwoPicker(rng),
+                      max_candidates=max_candidates, rng=rng)
     chosen = dict(weights) if weights else DEFAULT_WEIGHTS[name]
-    return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng))
+    return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng),
+                  max_candidates=max_candidates, rng=rng)

@@ -87,18 +87,20 @@ class RoutingService:
         return RouteKey(request_id, len(token_ids), block_size, hashes)
 
     def rank(self, key: RouteKey, replicas: Sequence[ReplicaId]) -> list[ReplicaId]:
-        """Replicas in order of preference for the request (first is the choice).
+        """Replicas in order of preference for the request (first is the choice); in a large
+        pool only a shortlist is scored (Policy.shortlist) and the others follow unscored.
 
         The request is counted on its first choice at once, so requests routed in the same
         instant see each other's load (`dispatched` corrects it, `finished` removes it)."""
-        candidates, held = self._candidates(key, replicas)
+        held, approx = self._lookups(key)
         self._remember(key.request_id, held)
+        scored_ids, rest = self.policy.shortlist(replicas, _deepest(held, approx))
         request = _request(key)
-        scored = self.policy.rank(request, candidates)
+        scored = self.policy.rank(request, self._candidates(key, scored_ids, held, approx))
         if scored.ranked:
             first = scored.ranked[0]
             self._tracker.dispatched(key.request_id, first.replica, first.uncached_tokens(request))
-        return [c.replica for c in scored.ranked]
+        return [c.replica for c in scored.ranked] + rest
 
     def _remember(self, request_id: str, held: dict[ReplicaId, int]) -> None:
         """Keep a ranked request's prefix lookup for its `dispatched` (a 16k-token prompt is
@@ -162,14 +164,22 @@ class RoutingService:
         """Requests this router has on `replica` now."""
         return self._tracker.in_flight(replica)
 
+    def _lookups(self, key: RouteKey) -> tuple[dict[ReplicaId, int], dict[ReplicaId, int]]:
+        """Leading blocks of the request each replica holds (the engine-fed map) and was sent
+        (this router's history, where a scorer reads it); O(blocks), not O(replicas)."""
+        hashes = key.block_hashes
+        if not hashes:
+            return {}, {}
+        approx = "approx_prefix" in self.policy.weights
+        return (self._index.longest_prefix(hashes),
+                self._history.longest_prefix(hashes) if approx else {})
+
     def _candidates(self, key: RouteKey, replicas: Sequence[ReplicaId],
-                    explain: bool = False) -> tuple[list[Candidate], dict[ReplicaId, int]]:
-        """Snapshots of `replicas` for this request (a hot path: ~1 us per replica, and the
-        TTFT model's ~2 us only where a scorer reads it, or to explain a decision)."""
-        hashes, block, prompt = key.block_hashes, key.block_size, key.prompt_tokens
-        held = self._index.longest_prefix(hashes) if hashes else {}
-        approx = self._history.longest_prefix(hashes) \
-            if "approx_prefix" in self.policy.weights and hashes else {}
+                    held: dict[ReplicaId, int], approx: dict[ReplicaId, int],
+                    explain: bool = False) -> list[Candidate]:
+        """Snapshots of `replicas` for this request (a hot path: ~3 us per replica, the TTFT
+        model's part only where a scorer reads it, or to explain a decision)."""
+        block, prompt = key.block_size, key.prompt_tokens
         room = "cache_room" in self.policy.weights
         modelled = explain or "ttft" in self.policy.weights
         tracker, views, now = self._tracker, self._views, self._clock()
@@ -192,7 +202,7 @@ class RoutingService:
                 cache_fill=self._cache_fill(replica, view, queued // max(block, 1), now)
                 if room else 0.0,
             ))
-        return out, held
+        return out
 
     def _cache_fill(self, replica: ReplicaId, view: ReplicaView | None, queued: int,
                     now: float) -> float:
@@ -209,7 +219,7 @@ class RoutingService:
 
     def explain(self, key: RouteKey) -> dict[str, Any]:
         """What the policy would do with this request now (for `/tokenfab/route`)."""
-        candidates, _ = self._candidates(key, sorted(self._views), explain=True)
+        candidates = self._candidates(key, sorted(self._views), *self._lookups(key), explain=True)
         request = _request(key)
         scored = self.policy.rank(request, candidates)
         return {
@@ -387,6 +397,13 @@ class RoutingService:
 _DEFAULT = Candidate(ReplicaId(""))
 _PRIOR = TTFTParams(_DEFAULT.prefill_tokens_per_s, _DEFAULT.in_flight_cost_tokens,
                     _DEFAULT.overhead_s)  # a candidate's defaults, where no scorer reads them
+
+
+def _deepest(held: dict[ReplicaId, int], approx: dict[ReplicaId, int]) -> dict[ReplicaId, int]:
+    """Per replica, the longer of the two prefix lookups."""
+    if not approx:
+        return held
+    return {**approx, **{r: max(depth, approx.get(r, 0)) for r, depth in held.items()}}
 
 
 def _request(key: RouteKey) -> RouteRequest:

@@ -48,7 +48,8 @@ def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
                     credentials: EventCredentials | None = None) -> RoutingService:
     spec = topology.router
     policy = build_policy(routing_policy(topology, pool), spec.weights,
-                          max_in_flight=spec.max_in_flight, tolerance=spec.tie_tolerance)
+                          max_in_flight=spec.max_in_flight, tolerance=spec.tie_tolerance,
+                          max_candidates=spec.max_candidates)
     hash_algo = str(topology.engine_args.get("prefix_caching_hash_algo", "sha256"))
 
     def hasher(block_size: int) -> PrefixBlockHasher:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -129,3 +130,36 @@ def test_weights_replace_the_policy_defaults_and_unknown_names_are_refused() -> 
         build_policy("kv_aware", {"bogus": 1.0})
     with pytest.raises(ValueError, match="unknown routing policy"):
         build_policy("fastest")
+
+
+POOL = [ReplicaId(name) for name in "abcdefgh"]
+
+
+def test_shortlist_scores_the_prefix_holders_and_a_sample_of_the_others() -> None:
+    """The docstring's example (max 4): holders c (10 blocks) and f (3); z is not offered."""
+    policy = build_policy("kv_aware", max_candidates=4, rng=random.Random(0))
+    scored, rest = policy.shortlist(POOL, {ReplicaId("c"): 10, ReplicaId("f"): 3,
+                                           ReplicaId("z"): 5})
+    assert scored[:2] == ["c", "f"] and len(scored) == 4 and len(rest) == 4
+    assert sorted(scored + rest) == POOL
+    many = {r: depth for depth, r in enumerate(POOL[:5], start=1)}  # holders take half at most
+    scored, rest = policy.shortlist(POOL, many)
+    assert scored[:2] == ["e", "d"] and set(scored[2:]) <= set(POOL) - {"e", "d"}
+
+
+@pytest.mark.parametrize(("name", "max_candidates", "offered"), [
+    ("kv_aware", 0, 8),  # no bound
+    ("kv_aware", 8, 8),  # within the bound
+    ("round_robin", 4, 8),  # no scorers: turns over every replica
+])
+def test_shortlist_scores_everyone_when_it_should(name, max_candidates, offered) -> None:
+    policy = build_policy(name, max_candidates=max_candidates, rng=random.Random(0))
+    assert policy.shortlist(POOL[:offered], {}) == (POOL[:offered], [])
+
+
+def test_shortlist_samples_uniformly() -> None:
+    """With no prefix held, each of 8 replicas is scored in 4 of 8 shortlists, within 5% of
+    2,000 draws (about 4 standard deviations)."""
+    policy = build_policy("least_loaded", max_candidates=4, rng=random.Random(1))
+    counts = Counter(r for _ in range(2000) for r in policy.shortlist(POOL, {})[0])
+    assert all(abs(counts[r] - 1000) < 100 for r in POOL), counts

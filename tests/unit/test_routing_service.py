@@ -18,7 +18,7 @@ from router.index import ReplicaId
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
-from router.wire import ReplicaView
+from router.wire import ReplicaView, RouteKey
 
 A, B = ReplicaId("a"), ReplicaId("b")
 BLOCK = 16
@@ -232,3 +232,25 @@ def test_a_stream_that_fails_is_followed_anew_and_the_map_rebuilt(publishers) ->
     finally:
         service.stop()
     assert seen >= {"restarting", "following"}
+
+
+def test_a_large_pool_scores_a_shortlist_and_still_offers_every_replica() -> None:
+    """Past max_candidates the holder of the request's prefix is still found (it is always on
+    the shortlist) and every replica is in the answer, the unscored ones as fallbacks."""
+    from router.events import BlockStored, KVEventBatch
+
+    pool = [ReplicaId(f"r{i}") for i in range(32)]
+    policy = build_policy("kv_aware", max_candidates=4, rng=random.Random(0))
+    service = RoutingService("main", policy, PrefixBlockHasher, follow_events=False)
+    service.set_replicas([ReplicaView(replica=r, pool="main", block_size=BLOCK, kv_blocks=100)
+                          for r in pool])
+    holder = pool[17]
+    service.apply_events(holder, KVEventBatch(0.0, [BlockStored(
+        block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=[], block_size=BLOCK,
+        lora_id=None, medium="GPU", lora_name=None)]))
+    for i in range(20):
+        ranked = service.rank(RouteKey(f"q{i}", 64, BLOCK, [1, 2, 3, 4]), pool)
+        assert ranked[0] == holder and sorted(ranked) == sorted(pool)
+        service.finished(f"q{i}")
+    firsts = Counter(service.rank(RouteKey(f"n{i}", 64, BLOCK, [9]), pool)[0] for i in range(200))
+    assert len(firsts) > 16  # new prompts spread over the pool, not over a fixed four
