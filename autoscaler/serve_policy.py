@@ -105,7 +105,6 @@ class PoolPolicy:
                      reason=decision.reason)
         return desired, state
 
-
     def _plan(self, ctx: Any, state: dict[str, Any], now: float) -> Plan | None:
         """The pool's forecast (autoscaler.forecast), kept in the policy state: the arrival
         counters, the rates, the recent levels and the replicas' measured start time."""
@@ -129,14 +128,11 @@ class PoolPolicy:
 
 
 def arrival_counters(ctx: Any) -> dict[str, float]:
-    """Each running replica's latest arrival counter: the newest raw report where Serve gives
-    them (a mean over the look-back window would blur the counter's steps), else the mean."""
-    raw = (ctx.raw_metrics or {}).get("arrivals") if hasattr(ctx, "raw_metrics") else None
-    if raw:
-        return {str(replica): max(series, key=lambda v: v.timestamp).value
-                for replica, series in raw.items() if series}
-    return {str(replica): value for replica, value in
-            ((ctx.aggregated_metrics or {}).get("arrivals") or {}).items()}
+    """Each running replica's latest arrival counter: its newest raw report (Serve's mean over
+    the look-back window would blur the counter's steps)."""
+    raw = (ctx.raw_metrics or {}).get("arrivals") or {}
+    return {str(replica): max(series, key=lambda v: v.timestamp).value
+            for replica, series in raw.items() if series}
 
 
 def ray_requests_policy(ctx: Any) -> tuple[float, dict[str, Any]]:

@@ -26,7 +26,6 @@ from sim.loop import EventLoop
 from sim.params import EngineParams
 
 
-
 @dataclass
 class SimRequest:
     """One request, and what happened to it (times are simulated seconds)."""

@@ -131,9 +131,11 @@ def test_a_planned_pool_does_not_flap_under_noisy_steady_load() -> None:
         counter += sum(1 for _ in range(80) if rng.random() < 0.1)  # about 8 per second
         metrics = {"arrivals": {"r0": counter}, "running": {"r0": 8 + rng.uniform(-2, 2)},
                    "ttft_p90_s": {"r0": 1.0}, "itl_p90_s": {"r0": 0.03}}
+        raw = {"arrivals": {"r0": [SimpleNamespace(timestamp=second - 0.5, value=counter - 1),
+                                   SimpleNamespace(timestamp=float(second), value=counter)]}}
         ctx = SimpleNamespace(policy_state=state, current_time=float(second),
                               current_num_replicas=current, target_num_replicas=current,
-                              aggregated_metrics=metrics, total_num_requests=0,
+                              aggregated_metrics=metrics, raw_metrics=raw, total_num_requests=0,
                               total_queued_requests=0)
         current, state = policy(ctx)
         history.append(current)
