@@ -73,7 +73,9 @@ def run_scale(params: profiles.EngineParams, rows: list[dict[str, Any]], replica
     out = []
     for policy in args.policies.split(","):
         began = time.monotonic()
-        result = replay(params, policy, replicas, make, seed=args.seed)
+        bound_args = {} if args.max_history_entries is None else \
+            {"max_history_entries": args.max_history_entries}
+        result = replay(params, policy, replicas, make, seed=args.seed, **bound_args)
         result.pop("per_request")
         record = {"replicas": replicas, "rate_rps": rate, "copies": copies,
                   "bound_hit_rate": bound, **result}
@@ -125,7 +127,10 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         "# Routing at scale, simulated", "",
         f"`python benchmarks/simulator.py --replicas {args.replicas} --profile {args.profile} "
         f"--rate-per-replica {args.rate_per_replica:g} --requests-per-replica "
-        f"{args.requests_per_replica}`. Run took {result['wall_s'] / 60:.1f} min.", "",
+        f"{args.requests_per_replica}"
+        + (f" --max-history-entries {args.max_history_entries}"
+           if args.max_history_entries is not None else "")
+        + f"`. Run took {result['wall_s'] / 60:.1f} min.", "",
         f"Simulated: engines of profile `{p['name']}` ({p['source']}): KV cache "
         f"{p['kv_blocks']} blocks of {p['block_size']} tokens, {p['max_num_batched_tokens']} "
         f"tokens per step, context {p['max_model_len']}. Measured: every routing decision and "
@@ -138,8 +143,8 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"{args.max_output_tokens}.", "",
         "| replicas | policy | requests | TTFT p50 (s) | TTFT p90 (s) | hit rate | bound "
         "| decision p50 (ms) | decision p99 (ms) | router ms/request | map entries (peak) "
-        "| map MB (peak) | sim speed (x real time) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| map MB (peak) | history entries (peak) | sim speed (x real time) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["scale"]:
         lines.append(
@@ -147,7 +152,8 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
             f"{r['ttft_p90_s']:.3f} | {r['hit_rate']:.3f} | {r['bound_hit_rate']:.3f} | "
             f"{r['decision_p50_ms']:.3f} | {r['decision_p99_ms']:.3f} | "
             f"{r['router_ms_per_request']:.2f} | {r['index_entries_peak']:,} | "
-            f"{r['index_bytes_peak'] / 1e6:.0f} | {r['sim_speedup']:.1f} |")
+            f"{r['index_bytes_peak'] / 1e6:.0f} | {r.get('history_entries_peak', 0):,} | "
+            f"{r['sim_speedup']:.1f} |")
     lines += ["", "kv_aware against round_robin, per scale:", ""]
     for n in sorted({r["replicas"] for r in result["scale"]}):
         at = {r["policy"]: r for r in result["scale"] if r["replicas"] == n}
@@ -176,6 +182,9 @@ def main() -> None:
     parser.add_argument("--requests-per-replica", type=int, default=20)
     parser.add_argument("--max-output-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-history-entries", type=int, default=None,
+                        help="the router's dispatch-history bound (router.max_history_entries; "
+                        "default: the router's default)")
     parser.add_argument("--out", default=str(RESULTS / "simulator.json"))
     parser.add_argument("--refresh-fidelity", action="store_true",
                         help="keep the scale records of --out, take the fidelity records from "
@@ -206,7 +215,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     for replicas in (int(n) for n in args.replicas.split(",")):
         records += run_scale(params, rows, replicas, args)
     kept = ("replicas", "policies", "profile", "rate_per_replica", "requests_per_replica",
-            "max_output_tokens", "seed")
+            "max_output_tokens", "seed", "max_history_entries")
     return {"profile": msgspec.to_builtins(params), "trace_requests": len(rows),
             "scale": records, "wall_s": time.monotonic() - began,
             "args": {k: getattr(args, k) for k in kept}}

@@ -39,7 +39,8 @@ class RoutingService:
     def __init__(self, pool: str, policy: Policy,
                  hasher_factory: Callable[[int], BlockHasher], metrics: RouterMetrics | None = None,
                  *, follow_events: bool = True, max_index_entries: int = DEFAULT_MAX_ENTRIES,
-                 history_ttl_s: float = 300.0, prior_tokens_per_s: float = 4000.0,
+                 history_ttl_s: float = 300.0, max_history_entries: int = DEFAULT_MAX_ENTRIES,
+                 prior_tokens_per_s: float = 4000.0,
                  in_flight_cost_tokens: float = 128.0,
                  event_credentials: EventCredentials | None = None,
                  breakers: CircuitBreakers | None = None,
@@ -49,7 +50,7 @@ class RoutingService:
         self._event_credentials = event_credentials
         self._hasher_factory, self._metrics, self._clock = hasher_factory, metrics, clock
         self._follow_events = follow_events and policy.reads_block_map  # else nothing reads them
-        self._history = DispatchHistory(history_ttl_s, clock=clock)
+        self._history = DispatchHistory(history_ttl_s, max_history_entries, clock=clock)
         # an eviction the engine reports ends the affinity this router remembers for the block
         self._index = KVBlockIndex(max_index_entries, on_removed=self._history.forget_blocks)
         self._tracker = LoadTracker(TTFTModel(prior_tokens_per_s, in_flight_cost_tokens,
@@ -266,6 +267,10 @@ class RoutingService:
 
     def index_entries(self) -> int:
         return len(self._index)
+
+    def history_entries(self) -> int:
+        """(block, replica) pairs in the dispatch history (router.load.DispatchHistory)."""
+        return len(self._history)
 
     def index_bytes(self) -> int:
         """The block map's memory, estimated from its entries (see router.index)."""

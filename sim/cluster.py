@@ -43,10 +43,13 @@ class SimCluster:
     def __init__(self, loop: EventLoop, params: EngineParams, policy: str, replicas: int, *,
                  weights: Mapping[str, float] | None = None, seed: int = 0,
                  max_ongoing_requests: int = 256, event_lag_s: float = 0.002,
-                 refresh_s: float = 1.0, max_index_entries: int | None = None) -> None:
+                 refresh_s: float = 1.0, max_index_entries: int | None = None,
+                 max_history_entries: int | None = None) -> None:
         self.loop, self.params = loop, params
         self.policy = build_policy(policy, weights, rng=random.Random(seed))
-        extra = {} if max_index_entries is None else {"max_index_entries": max_index_entries}
+        bounds = {"max_index_entries": max_index_entries,
+                  "max_history_entries": max_history_entries}
+        extra = {name: value for name, value in bounds.items() if value is not None}
         self.service = RoutingService(POOL, self.policy, _no_hasher, follow_events=False,
                                       clock=loop.clock, **extra)
         self.max_ongoing, self.event_lag_s, self.refresh_s = (max_ongoing_requests, event_lag_s,
@@ -56,7 +59,7 @@ class SimCluster:
         self.decision_ns: list[int] = []
         self.apply_ns = 0  # wall time the router spent applying KV events
         self.finished: list[SimRequest] = []
-        self.peak_index_entries = 0
+        self.peak_index_entries = self.peak_history_entries = 0
         self._serial = 0
         self._outstanding = 0
         self._ticking = False
@@ -130,6 +133,7 @@ class SimCluster:
         target = service.rank(key, available)[0]
         service.dispatched(key, target)
         self.decision_ns.append(time.perf_counter_ns() - began)
+        self.peak_history_entries = max(self.peak_history_entries, service.history_entries())
         request.replica = target
         engine = self.replicas[target].engine
         self.loop.after(self.params.overhead_s(engine.load()), lambda: engine.add(request))

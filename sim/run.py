@@ -57,6 +57,7 @@ def summary(policy: str, requests: list[SimRequest], sim: SimCluster, sim_s: flo
         if requests else 0.0,
         "index_entries_peak": sim.peak_index_entries,
         "index_bytes_peak": sim.peak_index_entries * BYTES_PER_ENTRY,
+        "history_entries_peak": sim.peak_history_entries,
         "sim_s": sim_s, "wall_s": wall_s, "sim_speedup": sim_s / wall_s if wall_s else 0.0,
         "per_request": [{"id": r.request_id, "replica": r.replica, "prompt": r.prompt_tokens,
                          "cached": r.cached_tokens, "ttft": r.first_token - r.arrival,
