@@ -3,8 +3,8 @@
 Builds a block map of about 1M (block, replica) pairs over 256 replicas (2,000 documents of 512
 blocks of 16 tokens = 8k tokens each; 100 shared system prompts of 128 blocks at the head of the
 documents, so popular blocks have many holders), then times:
-- a kv_aware decision for an 8k-token request over all 256 replicas (prefix lookup, candidate
-  snapshots, scoring, ranking), excluding tokenisation;
+- a kv_aware decision for an 8k-token request among 256 replicas (prefix lookups, the
+  shortlist's snapshots, scoring, ranking, and recording the dispatch), excluding tokenisation;
 - tokenisation plus vLLM block hashing of an 8k-token prompt (the gateway's part);
 - ingest: decoding vLLM-format KVEventBatch payloads (BlockStored with token ids) and applying
   them to the map, blocks per second on one core.
@@ -43,9 +43,9 @@ TARGET_DECISION_P99_MS, TARGET_INGEST = 1.0, 500_000
 def build_map(rng: random.Random) -> tuple[RoutingService, list[list[bytes]], list[ReplicaId]]:
     replicas = [ReplicaId(f"replica-{i:03d}") for i in range(REPLICAS)]
     views = [ReplicaView(replica=r, pool="main", block_size=BLOCK) for r in replicas]
-    service = RoutingService("main", build_policy("kv_aware", rng=rng), lambda: views,
-                             PrefixBlockHasher, max_index_entries=2_000_000)
-    service._views = {v.replica: v for v in views}  # as the follower thread would set them
+    service = RoutingService("main", build_policy("kv_aware", rng=rng), PrefixBlockHasher,
+                             follow_events=False, max_index_entries=2_000_000)
+    service.set_replicas(views)  # as the gateway does from the registry
     systems = [[rng.randbytes(32) for _ in range(SYSTEM_BLOCKS)] for _ in range(SYSTEMS)]
     docs = []
     for _ in range(DOCS):
@@ -64,7 +64,7 @@ def time_decisions(service: RoutingService, docs: list[list[bytes]], replicas: l
         hashes = doc[:shared] + [rng.randbytes(32) for _ in range(DOC_BLOCKS - shared)]
         key = RouteKey(f"r{i}", DOC_BLOCKS * BLOCK, BLOCK, hashes)
         started = time.perf_counter()
-        service.rank(key, replicas)
+        service.dispatched(key, service.rank(key, replicas)[0])
         samples.append(time.perf_counter() - started)
         service.finished(key.request_id)
     return np.array(samples) * 1000
