@@ -95,24 +95,28 @@ class KVBlockIndex:
         Example: replica a holds [h1, h2], b holds [h1, h3]; for [h1, h2, h3] -> {a: 2, b: 1}.
         """
         table, matched = self._holders, dict[ReplicaId, int]()
-        alive: list[ReplicaId] = []
+        alive: set[ReplicaId] = set()
+        only: ReplicaId | None = None  # the one replica left: the common tail
         depth = 0
         for block in hashes:
             holders = table.get(block)
             if not holders:
                 break
-            if len(alive) == 1:  # the common tail: one replica left, no list building
-                if alive[0] not in holders:
+            if only is not None:
+                if only not in holders:
                     break
-            else:
-                kept = list(holders) if not depth else [r for r in alive if r in holders]
+            elif not depth:
+                alive = set(holders)
+            elif not alive <= holders.keys():  # set operations: no Python loop per replica
+                kept = alive & holders.keys()
                 if not kept:
                     break
-                if len(kept) < len(alive):
-                    matched.update((r, depth) for r in set(alive).difference(kept))
+                matched.update(dict.fromkeys(alive - kept, depth))
                 alive = kept
+            if only is None and len(alive) == 1:
+                (only,) = alive
             depth += 1
-        matched.update((r, depth) for r in alive)
+        matched.update(dict.fromkeys(alive, depth))
         return matched
 
     def medium(self, replica: ReplicaId, block: EngineBlockHash) -> str | None:
