@@ -108,7 +108,9 @@ class DispatchHistory:
     at once. Only every `stride`-th block of a prompt and its last one are kept (hashes are
     chained, so a block stands for the prefix up to it): recording and a lookup cost
     O(blocks / stride), and a match is reported to the last such block it reaches, at most
-    `stride - 1` blocks short. The engine-fed map stays exact; this is the router's own guess.
+    `stride - 1` blocks short. An engine's eviction of a block that is not kept goes unseen
+    until one that is kept goes too (engines evict a prompt's tail first, so that is soon).
+    The engine-fed map stays exact; this is the router's own guess.
 
     Example (stride 4): a 10-block prompt keeps blocks 4, 8 and 10; a later prompt sharing its
     first 9 blocks matches 8 of them.
@@ -176,7 +178,7 @@ class DispatchHistory:
         return matched
 
     def forget_blocks(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
-        """The replica evicted these blocks: a prefix through them is no longer there."""
+        """The replica evicted these blocks: a prefix through a kept one of them is gone."""
         sent = self._sent
         for block in hashes:
             replicas = sent.get(block)

@@ -70,8 +70,9 @@ class Policy:
         Scoring costs each replica a few microseconds per request, so a pool of 1,024 would cost
         milliseconds a decision. Past `max_candidates` (0: no bound; policies without scorers
         see every replica), the replicas holding the longest prefixes of the request (`depths`,
-        in blocks; at most half the places) and a uniform sample of the others are scored: the
-        power of d choices for load, with the prefix holders always among them.
+        in blocks; up to half the places, equal depths in random order) and a uniform sample of
+        the others are scored: the power of d choices for load, with the longest holders among
+        them.
 
         Example (max 4): replicas a..h, depths {c: 10, f: 3, z: 5} (z is not offered) -> c, f
         and 2 of the other 6 at random are scored; the remaining 4 follow.
@@ -80,8 +81,9 @@ class Policy:
         if not limit or not self.weights or len(replicas) <= limit:
             return list(replicas), []
         offered = set(replicas)
-        holders = sorted((r for r in depths if r in offered), key=depths.__getitem__,
-                         reverse=True)[:limit // 2]
+        holders = [r for r in depths if r in offered]
+        self._rng.shuffle(holders)  # a stable sort then keeps equal depths in random order
+        holders = sorted(holders, key=depths.__getitem__, reverse=True)[:limit // 2]
         chosen = set(holders)
         others = [r for r in replicas if r not in chosen]
         sample = self._rng.sample(others, limit - len(holders))
@@ -98,7 +100,7 @@ class Policy:
         for scorer, weight in self.weights.items():  # each score clamped to [0, 1]
             values = self._scorers[scorer].score(request, kept)
             totals = [total + weight * (v if 0.0 <= v <= 1.0 else float(v > 1.0))
-                      for total, v in zip(totals, values)]
+                      for total, v in zip(totals, values, strict=True)]
         ranked = self.picker.rank(kept, totals)
         if len(kept) < len(candidates):
             kept_ids = {c.replica for c in kept}

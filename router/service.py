@@ -101,7 +101,12 @@ class RoutingService:
         if scored.ranked:
             first = scored.ranked[0]
             self._tracker.dispatched(key.request_id, first.replica, first.uncached_tokens(request))
-        return [c.replica for c in scored.ranked] + rest
+        ranked = [c.replica for c in scored.ranked]
+        if not rest:
+            return ranked
+        # the unscored before those a filter dropped (at max_in_flight, say)
+        kept = [r for r in ranked if r in scored.scores]
+        return kept + rest + [r for r in ranked if r not in scored.scores]
 
     def _remember(self, request_id: str, held: dict[ReplicaId, int]) -> None:
         """Keep a ranked request's prefix lookup for its `dispatched` (a 16k-token prompt is
@@ -219,7 +224,8 @@ class RoutingService:
     # -- introspection ------------------------------------------------------------------------
 
     def explain(self, key: RouteKey) -> dict[str, Any]:
-        """What the policy would do with this request now (for `/tokenfab/route`)."""
+        """What the policy would do with this request now (for `/tokenfab/route`): every
+        replica is scored, also past `router.max_candidates`, where `rank` scores a shortlist."""
         candidates = self._candidates(key, sorted(self._views), *self._lookups(key), explain=True)
         request = _request(key)
         scored = self.policy.rank(request, candidates)

@@ -67,7 +67,7 @@ class TTFTModel:
         self._prior = np.array([self.prior_overhead_s, seconds_per_k,
                                 self.prior_in_flight_cost_tokens / self.prior_tokens_per_s])
         self._theta = self._prior.copy()
-        self._fit = tuple(map(float, self._theta))
+        self._fit = _floats(self._theta)
 
     def observe(self, replica: ReplicaId, work_tokens: int, busy: int, elapsed_s: float) -> None:
         """One first token: `work_tokens` had to be prefilled before it, beside `busy` others."""
@@ -85,7 +85,7 @@ class TTFTModel:
         self._moment = self.decay * self._moment + x * elapsed_s
         self.samples += 1
         self._theta = self._solve()
-        self._fit = tuple(map(float, self._theta))
+        self._fit = _floats(self._theta)
 
     def _solve(self) -> np.ndarray:
         ridge = np.eye(3)  # the prior counts as one sample of each feature
@@ -121,3 +121,8 @@ class TTFTModel:
 
     def forget(self, replica: ReplicaId) -> None:
         self._speeds.pop(replica, None)
+
+
+def _floats(theta: np.ndarray) -> tuple[float, float, float]:
+    overhead, per_k, per_busy = (float(x) for x in theta)
+    return overhead, per_k, per_busy

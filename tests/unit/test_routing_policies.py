@@ -163,3 +163,12 @@ def test_shortlist_samples_uniformly() -> None:
     policy = build_policy("least_loaded", max_candidates=4, rng=random.Random(1))
     counts = Counter(r for _ in range(2000) for r in policy.shortlist(POOL, {})[0])
     assert all(abs(counts[r] - 1000) < 100 for r in POOL), counts
+
+
+def test_shortlist_draws_among_holders_of_equal_depth() -> None:
+    """Eight replicas hold the prompt equally, the shortlist has room for two of them: each is
+    among those two about a quarter of the time (not the same two every time)."""
+    policy = build_policy("kv_aware", max_candidates=4, rng=random.Random(2))
+    equal = dict.fromkeys(POOL, 5)
+    counts = Counter(r for _ in range(800) for r in policy.shortlist(POOL, equal)[0][:2])
+    assert all(counts[r] > 100 for r in POOL), counts

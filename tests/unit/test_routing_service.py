@@ -235,8 +235,9 @@ def test_a_stream_that_fails_is_followed_anew_and_the_map_rebuilt(publishers) ->
 
 
 def test_a_large_pool_scores_a_shortlist_and_still_offers_every_replica() -> None:
-    """Past max_candidates the holder of the request's prefix is still found (it is always on
-    the shortlist) and every replica is in the answer, the unscored ones as fallbacks."""
+    """Past max_candidates the holder of the request's prefix is still found (the longest
+    holders are on the shortlist) and every replica is in the answer, the unscored ones as
+    fallbacks."""
     from router.events import BlockStored, KVEventBatch
 
     pool = [ReplicaId(f"r{i}") for i in range(32)]
@@ -254,3 +255,19 @@ def test_a_large_pool_scores_a_shortlist_and_still_offers_every_replica() -> Non
         service.finished(f"q{i}")
     firsts = Counter(service.rank(RouteKey(f"n{i}", 64, BLOCK, [9]), pool)[0] for i in range(200))
     assert len(firsts) > 16  # new prompts spread over the pool, not over a fixed four
+
+
+def test_unscored_fallbacks_come_before_replicas_the_overload_filter_dropped() -> None:
+    from router.events import BlockStored, KVEventBatch
+
+    pool = [ReplicaId(f"r{i}") for i in range(8)]
+    policy = build_policy("kv_aware", max_candidates=4, max_in_flight=1, rng=random.Random(0))
+    service = RoutingService("main", policy, PrefixBlockHasher, follow_events=False)
+    service.set_replicas([ReplicaView(replica=r, pool="main", block_size=BLOCK, kv_blocks=100)
+                          for r in pool])
+    service.apply_events(pool[0], KVEventBatch(0.0, [BlockStored(
+        block_hashes=[1, 2], parent_block_hash=None, token_ids=[], block_size=BLOCK,
+        lora_id=None, medium="GPU", lora_name=None)]))
+    assert service.rank(RouteKey("q0", 64, BLOCK, [1, 2, 3]), pool)[0] == pool[0]
+    ranked = service.rank(RouteKey("q1", 64, BLOCK, [1, 2, 3]), pool)  # pool[0] is at 1 now
+    assert ranked[-1] == pool[0] and sorted(ranked) == sorted(pool)
