@@ -55,10 +55,10 @@ class KVBlockIndex:
                 table[block] = {replica: medium}
             else:
                 table.move_to_end(block)
-                if replica in holders:
-                    holders[replica] = medium
-                    continue
+                held = replica in holders
                 holders[replica] = medium
+                if held:
+                    continue
             new += 1
             owned.add(block)
         self._entries += new

@@ -62,17 +62,17 @@ class Policy:
         """Whether ranking reads the KV block map (else no engine events are followed)."""
         return bool(_MAP_SCORERS & set(self.weights))
 
-    def shortlist(self, replicas: Sequence[ReplicaId], depths: Mapping[ReplicaId, int],
+    def shortlist(self, replicas: Sequence[ReplicaId], *lookups: Mapping[ReplicaId, int],
                   ) -> tuple[list[ReplicaId], list[ReplicaId]]:
         """The replicas to snapshot and score for a request, and the rest: fallbacks, unscored,
         in their given order rotated at random.
 
         Scoring costs each replica a few microseconds per request, so a pool of 1,024 would cost
         milliseconds a decision. Past `max_candidates` (0: no bound; policies without scorers
-        see every replica), the replicas holding the longest prefixes of the request (`depths`,
-        in blocks; up to half the places, equal depths in random order) and a uniform sample of
-        the others are scored: the power of d choices for load, with the longest holders among
-        them.
+        see every replica), the replicas holding the longest prefixes of the request (the most
+        blocks any of `lookups` gives them; up to half the places, equal depths in random
+        order) and a uniform sample of the others are scored: the power of d choices for load,
+        with the longest holders among them.
 
         Example (max 4): replicas a..h, depths {c: 10, f: 3, z: 5} (z is not offered) -> c, f
         and 2 of the other 6 at random are scored; the remaining 4 follow.
@@ -80,6 +80,10 @@ class Policy:
         limit = self.max_candidates
         if not limit or not self.weights or len(replicas) <= limit:
             return list(replicas), []
+        depths = dict(lookups[0]) if lookups else {}
+        for lookup in lookups[1:]:
+            for replica, depth in lookup.items():
+                depths[replica] = max(depth, depths.get(replica, 0))
         offered = set(replicas)
         holders = [r for r in depths if r in offered]
         self._rng.shuffle(holders)  # a stable sort then keeps equal depths in random order

@@ -95,7 +95,7 @@ class RoutingService:
         instant see each other's load (`dispatched` corrects it, `finished` removes it)."""
         held, approx = self._lookups(key)
         self._remember(key.request_id, held)
-        scored_ids, rest = self.policy.shortlist(replicas, _deepest(held, approx))
+        scored_ids, rest = self.policy.shortlist(replicas, approx, held)
         request = _request(key)
         scored = self.policy.rank(request, self._candidates(key, scored_ids, held, approx))
         if scored.ranked:
@@ -408,13 +408,6 @@ class RoutingService:
 _DEFAULT = Candidate(ReplicaId(""))
 _PRIOR = TTFTParams(_DEFAULT.prefill_tokens_per_s, _DEFAULT.in_flight_cost_tokens,
                     _DEFAULT.overhead_s)  # a candidate's defaults, where no scorer reads them
-
-
-def _deepest(held: dict[ReplicaId, int], approx: dict[ReplicaId, int]) -> dict[ReplicaId, int]:
-    """Per replica, the longer of the two prefix lookups."""
-    if not approx:
-        return held
-    return {**approx, **{r: max(depth, approx.get(r, 0)) for r, depth in held.items()}}
 
 
 def _request(key: RouteKey) -> RouteRequest:

@@ -58,21 +58,19 @@ class TTFTModel:
     samples: int = 0
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(3))
-    _theta: np.ndarray | None = None
-    _fit: tuple[float, float, float] = (0.0, 1.0, 0.0)  # _theta as floats: read per replica
+    _theta: tuple[float, float, float] = (0.0, 1.0, 0.0)  # floats: read per replica
     _speeds: dict[ReplicaId, _Speed] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         seconds_per_k = _SCALE / self.prior_tokens_per_s
         self._prior = np.array([self.prior_overhead_s, seconds_per_k,
                                 self.prior_in_flight_cost_tokens / self.prior_tokens_per_s])
-        self._theta = self._prior.copy()
-        self._fit = _floats(self._theta)
+        self._theta = _floats(self._prior)
 
     def observe(self, replica: ReplicaId, work_tokens: int, busy: int, elapsed_s: float) -> None:
         """One first token: `work_tokens` had to be prefilled before it, beside `busy` others."""
         x = np.array([1.0, work_tokens / _SCALE, float(busy)])
-        predicted = float(x @ self._theta)
+        predicted = float(x @ np.array(self._theta))
         speed = self._speeds.setdefault(replica, _Speed())
         now = self.clock()
         fade = self.decay * self._fade(speed, now)
@@ -84,8 +82,7 @@ class TTFTModel:
         self._gram = self.decay * self._gram + np.outer(x, x)
         self._moment = self.decay * self._moment + x * elapsed_s
         self.samples += 1
-        self._theta = self._solve()
-        self._fit = _floats(self._theta)
+        self._theta = _floats(self._solve())
 
     def _solve(self) -> np.ndarray:
         ridge = np.eye(3)  # the prior counts as one sample of each feature
@@ -113,7 +110,7 @@ class TTFTModel:
 
     def params(self, replica: ReplicaId, now: float | None = None) -> TTFTParams:
         """The replica's law (`now`: the clock's reading, when the caller has it already)."""
-        overhead, per_k, per_busy = self._fit
+        overhead, per_k, per_busy = self._theta
         speed = self.speed(replica, now)
         return TTFTParams(tokens_per_s=_SCALE / (per_k * speed),
                           in_flight_cost_tokens=per_busy * _SCALE / per_k,
