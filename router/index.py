@@ -5,78 +5,118 @@ hashes, how many leading blocks each replica holds. Memory is bounded: past `max
 (block, replica) pairs, the least recently stored blocks are forgotten first, which can only make
 the map under-report what is cached, never over-report it.
 
+Every table holds only hashes and integers (a block's holders are a bit mask of replica slots),
+which CPython's cyclic garbage collector does not track: a full collection in the ingress process
+does not walk the map. Kept as dicts of dicts and sets, a map of a million pairs added 140-170 ms
+to each full collection: a stall of every request on the event loop. The masks also make a lookup
+one `&` per block while several replicas hold the prefix, and a C loop once one does.
+
 Each (block, replica) pair costs about `BYTES_PER_ENTRY` bytes of Python heap (measured with
 tracemalloc by tests/unit/test_kv_index.py: 32-byte hashes, each held by one replica, the
-hashes themselves included): the default bound of a million pairs
-is about 0.45 GB per pool in each ingress process at most; only blocks the replicas hold count.
+hashes themselves included): the default bound of a million pairs is about 0.3 GB per pool in
+each ingress process at most; only blocks the replicas hold count.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import NewType
+from itertools import islice, takewhile
 
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, KVEventBatch
+from router.slots import ReplicaId, ReplicaSlots, bits
 
-ReplicaId = NewType("ReplicaId", str)
+__all__ = ["BYTES_PER_ENTRY", "DEFAULT_MAX_ENTRIES", "KVBlockIndex", "ReplicaId"]
 
-BYTES_PER_ENTRY = 450  # hash tables grow in steps: 400-450 measured from 20k to 1M pairs
+BYTES_PER_ENTRY = 300  # 180-335 measured from 20k to 1M pairs, replica slots 0 to 255
 DEFAULT_MAX_ENTRIES = 1_000_000
+GPU = "GPU"
+GENERATIONS = 16  # the eviction order's granularity: 1/16 of the bound
+MAX_GENERATIONS = 4 * GENERATIONS  # past this many, the two oldest merge
 
 
 class KVBlockIndex:
-    """Not thread-safe: one task applies events and answers lookups (others read snapshots)."""
+    """Not thread-safe: one task applies events and answers lookups (others read snapshots).
+
+    Eviction order: blocks are kept in generations of about `max_entries / 16` blocks by the
+    time they were last stored (by any replica); past the bound, blocks of the oldest
+    generation go first, each with all its holders, the last stored of them first (a prompt's
+    tail before its head, as the engines evict).
+    """
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES,
                  on_removed: Callable[[ReplicaId, list[EngineBlockHash]], None] | None = None,
                  ) -> None:
         self._max_entries, self._on_removed = max_entries, on_removed
-        self._holders: OrderedDict[EngineBlockHash, dict[ReplicaId, str]] = OrderedDict()
-        self._blocks: dict[ReplicaId, set[EngineBlockHash]] = {}
+        self._holders: dict[EngineBlockHash, int] = {}  # block -> mask of replica slots
+        self._media: dict[str, dict[EngineBlockHash, int]] = {}  # other than GPU: block -> mask
+        self._slots = ReplicaSlots()
+        self._blocks: dict[ReplicaId, dict[EngineBlockHash, None]] = {}
         self._stored: dict[ReplicaId, int] = {}  # blocks each replica ever stored (new entries)
         self._entries = 0
+        self._generation_size = max(1, max_entries // GENERATIONS)
+        self._age: dict[EngineBlockHash, int] = {}  # block -> generation it was last stored in
+        self._generations: dict[int, dict[EngineBlockHash, None]] = {0: {}}  # oldest first
+        self._current = 0
 
     def apply(self, replica: ReplicaId, batch: KVEventBatch) -> None:
         """Apply one replica's batch; batches of a replica must arrive in publication order."""
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self.add(replica, event.block_hashes, event.medium or "GPU")
+                self.add(replica, event.block_hashes, event.medium or GPU)
             elif isinstance(event, BlockRemoved):
                 self.remove(replica, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(replica)
 
     def add(self, replica: ReplicaId, hashes: Iterable[EngineBlockHash], medium: str) -> None:
-        owned, table, new = self._blocks.setdefault(replica, set()), self._holders, 0
+        bit = self._slots.bit(replica)
+        owned = self._blocks.setdefault(replica, {})
+        table, age = self._holders, self._age
+        generation, generations = self._current, self._generations
+        current, new = generations[generation], 0
+        media = self._media if self._media or medium != GPU else None
+        get = table.get
         for block in hashes:
-            holders = table.get(block)
-            if holders is None:
-                table[block] = {replica: medium}
-            else:
-                table.move_to_end(block)
-                held = replica in holders
-                holders[replica] = medium
-                if held:
-                    continue
-            new += 1
-            owned.add(block)
+            mask = get(block, 0)
+            if not mask & bit:
+                table[block] = mask | bit
+                owned[block] = None
+                new += 1
+            if not mask:  # a block new to the map
+                current[block] = None
+                age[block] = generation
+            elif (was := age[block]) != generation:
+                self._leave(was, block)
+                current[block] = None
+                age[block] = generation
+            if media is not None:
+                self._set_medium(block, bit, medium)
         self._entries += new
         self._stored[replica] = self._stored.get(replica, 0) + new
+        if len(current) >= self._generation_size:
+            self._next_generation()
         self._shrink()
 
     def remove(self, replica: ReplicaId, hashes: Iterable[EngineBlockHash]) -> None:
         """The replica no longer holds these blocks; `on_removed` hears of those it held."""
-        owned, removed = self._blocks.get(replica, set()), []
+        bit = self._slots.known(replica)
+        if not bit:
+            return
+        owned, table, removed = self._blocks[replica], self._holders, []
         for block in hashes:
-            holders = self._holders.get(block)
-            if holders is None or holders.pop(replica, None) is None:
+            mask = table.get(block, 0)
+            if not mask & bit:
                 continue
-            self._entries -= 1
-            owned.discard(block)
+            if mask == bit:
+                self._forget_block(block)
+            else:
+                table[block] = mask ^ bit
+            del owned[block]
             removed.append(block)
-            if not holders:
-                del self._holders[block]
+        if self._media:
+            for block in removed:
+                self._set_medium(block, bit, GPU)
+        self._entries -= len(removed)
         if removed and self._on_removed is not None:
             self._on_removed(replica, removed)
 
@@ -88,39 +128,36 @@ class KVBlockIndex:
         self.clear(replica)
         self._blocks.pop(replica, None)
         self._stored.pop(replica, None)
+        self._slots.release(replica)  # it holds nothing now: the slot is free for the next
 
     def longest_prefix(self, hashes: Sequence[EngineBlockHash]) -> dict[ReplicaId, int]:
         """Leading blocks of `hashes` each replica holds; replicas holding none are left out.
 
         Example: replica a holds [h1, h2], b holds [h1, h3]; for [h1, h2, h3] -> {a: 2, b: 1}.
         """
-        table, matched = self._holders, dict[ReplicaId, int]()
-        alive: set[ReplicaId] = set()
-        only: ReplicaId | None = None  # the one replica left: the common tail
-        depth = 0
-        for block in hashes:
-            holders = table.get(block)
-            if not holders:
+        matched: dict[ReplicaId, int] = {}
+        if not hashes:
+            return matched
+        get, count = self._holders.get, len(hashes)
+        alive, depth = get(hashes[0], 0), 1
+        while alive and depth < count:
+            if not alive & (alive - 1):  # one holder left: the rest of the walk runs in C
+                owned = self._blocks[self._slots.name(alive)]
+                depth += len(list(takewhile(owned.__contains__, islice(hashes, depth, None))))
                 break
-            if only is not None:
-                if only not in holders:
-                    break
-            elif not depth:
-                alive = set(holders)
-            elif not alive <= holders.keys():  # set operations: no Python loop per replica
-                kept = alive & holders.keys()
-                if not kept:
-                    break
-                matched.update(dict.fromkeys(alive - kept, depth))
+            kept = alive & get(hashes[depth], 0)
+            if kept != alive:  # some holders stop here
+                self._slots.assign(alive ^ kept, depth, matched)
                 alive = kept
-            if only is None and len(alive) == 1:
-                (only,) = alive
             depth += 1
-        matched.update(dict.fromkeys(alive, depth))
+        self._slots.assign(alive, depth, matched)
         return matched
 
     def medium(self, replica: ReplicaId, block: EngineBlockHash) -> str | None:
-        return (self._holders.get(block) or {}).get(replica)
+        bit = self._slots.known(replica)
+        if not self._holders.get(block, 0) & bit:
+            return None
+        return next((m for m, masks in self._media.items() if masks.get(block, 0) & bit), GPU)
 
     def blocks_of(self, replica: ReplicaId) -> int:
         return len(self._blocks.get(replica, ()))
@@ -133,9 +170,55 @@ class KVBlockIndex:
         """(block, replica) pairs held."""
         return self._entries
 
+    def _set_medium(self, block: EngineBlockHash, bit: int, medium: str) -> None:
+        """The (block, replica) pair is on `medium` now (GPU: in no table of other media)."""
+        for name, masks in self._media.items():
+            mask = masks.get(block, 0)
+            if mask & bit and name != medium:
+                if mask == bit:
+                    del masks[block]
+                else:
+                    masks[block] = mask ^ bit
+        if medium != GPU:
+            masks = self._media.setdefault(medium, {})
+            masks[block] = masks.get(block, 0) | bit
+
+    def _forget_block(self, block: EngineBlockHash) -> int:
+        """Drop a block from the holder and age tables; its former holders' mask."""
+        mask = self._holders.pop(block)
+        self._leave(self._age.pop(block), block)
+        return mask
+
+    def _leave(self, generation: int, block: EngineBlockHash) -> None:
+        members = self._generations[generation]
+        del members[block]
+        if not members and generation != self._current:
+            del self._generations[generation]
+
+    def _next_generation(self) -> None:
+        generations = self._generations
+        self._current += 1
+        generations[self._current] = {}
+        if len(generations) > MAX_GENERATIONS:  # many nearly emptied: fold the oldest two
+            (old, members), (into, _) = list(generations.items())[:2]
+            del generations[old]
+            generations[into].update(members)
+            age = self._age
+            for block in members:
+                age[block] = into
+
     def _shrink(self) -> None:
         while self._entries > self._max_entries:
-            block, holders = self._holders.popitem(last=False)
-            for replica in holders:
-                self._blocks[replica].discard(block)
-            self._entries -= len(holders)
+            generation = next(iter(self._generations))
+            oldest = self._generations[generation]
+            block, _ = oldest.popitem()  # not `del`: that leaves a hole for the next to skip
+            if not oldest and generation != self._current:
+                del self._generations[generation]
+            del self._age[block]
+            mask = self._holders.pop(block)
+            self._entries -= mask.bit_count()
+            for bit in bits(mask):
+                del self._blocks[self._slots.name(bit)][block]
+                if self._media:
+                    self._set_medium(block, bit, GPU)
+

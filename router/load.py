@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.events import EngineBlockHash
 from router.index import ReplicaId
+from router.slots import ReplicaSlots
 from router.ttft_model import TTFTModel, TTFTParams
 
 
@@ -99,18 +99,23 @@ class LoadTracker:
 
 
 class DispatchHistory:
-    """Which block-hash prefixes this router sent to each replica within `ttl_s`, bounded to
-    `capacity` (block, replica) pairs: past it, the blocks sent least recently leave first, with
-    all their replicas. Where the engines' events are followed, an eviction they report removes
-    the entry (`forget_blocks`); otherwise the TTL bounds how long a stale entry can mislead.
+    """Which block-hash prefixes this router sent to each replica lately, bounded to `capacity`
+    records. Where the engines' events are followed, an eviction they report removes the
+    entry (`forget_blocks`); otherwise the TTL bounds how long a stale entry can mislead.
 
-    Kept by block, like the engine-fed map (router/index.py): one walk answers for every replica
-    at once. Only every `stride`-th block of a prompt and its last one are kept (hashes are
-    chained, so a block stands for the prefix up to it): recording and a lookup cost
-    O(blocks / stride), and a match is reported to the last such block it reaches, at most
-    `stride - 1` blocks short. An engine's eviction of a block that is not kept goes unseen
-    until one that is kept goes too (engines evict a prompt's tail first, so that is soon).
-    The engine-fed map stays exact; this is the router's own guess.
+    Kept by block, like the engine-fed map (router/index.py), with the replicas sent a block as
+    one integer's bits: one walk answers for every replica at once, and a full collection of
+    the garbage collector does not walk the tables. Only every `stride`-th block of a prompt and
+    its last one are kept (hashes are chained, so a block stands for the prefix up to it):
+    recording and a lookup cost O(blocks / stride), and a match is reported to the last such
+    block it reaches, at most `stride - 1` blocks short. An engine's eviction of a block that
+    is not kept goes unseen until one that is kept goes too (engines evict a prompt's tail
+    first, so that is soon). The engine-fed map stays exact; this is the router's own guess.
+
+    Records are kept in generations of `ttl_s / 2`: a record counts for at least `ttl_s` and at
+    most 1.5 x `ttl_s`, and a lookup reads each of the (at most 3) generations that count.
+    Past `capacity` records (a pair sent in two generations is two), the oldest generation's
+    blocks leave first, each with all its replicas, the last recorded of them first.
 
     Example (stride 4): a 10-block prompt keeps blocks 4, 8 and 10; a later prompt sharing its
     first 9 blocks matches 8 of them.
@@ -119,7 +124,10 @@ class DispatchHistory:
     def __init__(self, ttl_s: float = 300.0, capacity: int = 1_000_000, stride: int = 4,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl, self._capacity, self._stride, self._clock = ttl_s, capacity, stride, clock
-        self._sent: OrderedDict[EngineBlockHash, dict[ReplicaId, float]] = OrderedDict()
+        self._span = ttl_s / 2
+        self._slots = ReplicaSlots()
+        # newest last: (start, block -> mask of replicas sent it in the generation, records)
+        self._generations: list[_Generation] = []
         self._entries = 0
 
     def _kept(self, hashes: Sequence[EngineBlockHash]) -> list[tuple[int, EngineBlockHash]]:
@@ -130,70 +138,102 @@ class DispatchHistory:
             kept.append((n, hashes[-1]))
         return kept
 
+    def _live(self, now: float) -> list[dict[EngineBlockHash, int]]:
+        """The generations that count at `now`, newest first (older ones are dropped)."""
+        generations = self._generations
+        while generations and generations[0].start + self._span <= now - self._ttl:
+            self._entries -= generations.pop(0).records
+        return [g.sent for g in reversed(generations)]
+
     def record(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
-        now, sent, new = self._clock(), self._sent, 0
+        now, bit = self._clock(), self._slots.bit(replica)
+        self._live(now)
+        generations = self._generations
+        if not generations or generations[-1].start + self._span <= now:
+            generations.append(_Generation(now))
+        current = generations[-1]
+        sent, new = current.sent, 0
         for _, block in self._kept(hashes):
-            replicas = sent.get(block)
-            if replicas is None:
-                sent[block] = {replica: now}
+            mask = sent.get(block, 0)
+            if not mask & bit:
+                sent[block] = mask | bit
                 new += 1
-                continue
-            sent.move_to_end(block)
-            new += replica not in replicas
-            replicas[replica] = now
+            else:  # recorded again: it moves to the generation's end, the last to leave it
+                del sent[block]
+                sent[block] = mask
+        current.records += new
         self._entries += new
         while self._entries > self._capacity:
-            _, replicas = sent.popitem(last=False)
-            self._entries -= len(replicas)
+            oldest = generations[0]
+            if not oldest.sent:
+                generations.pop(0)
+                continue
+            _, mask = oldest.sent.popitem()
+            oldest.records -= mask.bit_count()
+            self._entries -= mask.bit_count()
 
     def longest_prefix(self, hashes: Sequence[EngineBlockHash]) -> dict[ReplicaId, int]:
         """Leading blocks of `hashes` sent to each replica within the TTL, to the last kept
         block matched; replicas with none are left out.
 
-        Example (stride 1): a was sent [h1, h2] 10 s ago, b [h1] 400 s ago (TTL 300 s); for
+        Example (stride 1): a was sent [h1, h2] 10 s ago, b [h1] 500 s ago (TTL 300 s); for
         [h1, h2, h3] -> {a: 2}.
         """
-        fresh, sent = self._clock() - self._ttl, self._sent
+        live = self._live(self._clock())
         matched: dict[ReplicaId, int] = {}
-        alive: list[ReplicaId] = []
-        reached = 0
+        alive, reached = -1, 0  # -1: every replica
         for depth, block in self._kept(hashes):
-            replicas = sent.get(block)
-            if replicas is None:
-                break
-            if len(alive) == 1:  # the common tail: one replica left, no list building
-                at = replicas.get(alive[0])
-                if at is None or at < fresh:
-                    break
-            else:
-                kept = [r for r, at in replicas.items() if at >= fresh] if not reached else \
-                    [r for r in alive if replicas.get(r, -math.inf) >= fresh]
+            mask = 0
+            for sent in live:
+                mask |= sent.get(block, 0)
+            kept = alive & mask
+            if kept != alive:
+                if reached:
+                    self._slots.assign(alive ^ kept, reached, matched)
                 if not kept:
-                    break
-                if len(kept) < len(alive):
-                    matched.update((r, reached) for r in set(alive).difference(kept))
+                    return matched
                 alive = kept
             reached = depth
-        matched.update((r, reached) for r in alive)
+        if reached:
+            self._slots.assign(alive, reached, matched)
         return matched
 
     def forget_blocks(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
         """The replica evicted these blocks: a prefix through a kept one of them is gone."""
-        sent = self._sent
-        for block in hashes:
-            replicas = sent.get(block)
-            if replicas is not None and replicas.pop(replica, None) is not None:
-                self._entries -= 1
-                if not replicas:
-                    del sent[block]
+        bit = self._slots.known(replica)
+        for generation in self._generations if bit else ():
+            self._clear(generation, hashes, bit)
 
     def forget(self, replica: ReplicaId) -> None:
-        for block in [b for b, replicas in self._sent.items() if replica in replicas]:
-            self.forget_blocks(replica, [block])
+        """The replica left: forget every record of it (and free its slot)."""
+        bit = self._slots.known(replica)
+        for generation in self._generations if bit else ():
+            self._clear(generation, [b for b, mask in generation.sent.items() if mask & bit], bit)
+        self._slots.release(replica)
+
+    def _clear(self, generation: _Generation, hashes: Sequence[EngineBlockHash], bit: int) -> None:
+        sent, gone = generation.sent, 0
+        for block in hashes:
+            mask = sent.get(block, 0)
+            if mask & bit:
+                gone += 1
+                if mask == bit:
+                    del sent[block]
+                else:
+                    sent[block] = mask ^ bit
+        generation.records -= gone
+        self._entries -= gone
 
     def __len__(self) -> int:
-        """(block, replica) pairs held."""
+        """Records held: (block, replica) pairs, once per generation they were sent in."""
         return self._entries
+
+
+@dataclass(slots=True)
+class _Generation:
+    start: float
+    sent: dict[EngineBlockHash, int] = field(default_factory=dict)
+    records: int = 0
 
 
 class CacheChurn:

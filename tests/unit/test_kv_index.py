@@ -50,13 +50,47 @@ def test_apply_in_order_and_lookup() -> None:
 
 
 def test_memory_bound_forgets_oldest_blocks_first() -> None:
-    index = KVBlockIndex(max_entries=4)
+    index = KVBlockIndex(max_entries=4)  # a generation per store: exact order
     index.add(A, [1, 2, 3], "GPU")
     index.add(B, [1], "GPU")        # block 1 is now the most recently stored
-    index.add(A, [4], "GPU")        # 5 pairs > 4: block 2 (oldest) goes
+    index.add(A, [4], "GPU")        # 5 pairs > 4: of the oldest store [2, 3], its tail 3 goes
     assert len(index) == 4
+    assert index.longest_prefix([1, 2, 3]) == {A: 2, B: 1}
+    index.add(C, [5], "GPU")        # 5 > 4: 2 goes (block 1 was stored after it)
     assert index.longest_prefix([1, 2]) == {A: 1, B: 1}
-    assert index.longest_prefix([3]) == {A: 1}
+    assert (len(index), index.blocks_of(A), index.blocks_of(C)) == (4, 2, 1)
+
+
+def test_memory_bound_in_generations() -> None:
+    """Past the bound, generations (of 1/16 of the bound) leave oldest first, each from its last
+    stored block back; a block stored again moves to the newest."""
+    index = KVBlockIndex(max_entries=64)  # a new generation once one has 4 blocks
+    index.add(A, range(0, 8), "GPU")        # generation 0: blocks 0-7
+    index.add(B, range(100, 160), "GPU")    # generation 1; 68 pairs: 7, 6, 5, 4 go
+    assert index.longest_prefix(range(8)) == {A: 4}
+    index.add(B, [0], "GPU")                # 0 moves to generation 2; 65 pairs: 3 goes
+    assert index.longest_prefix([0, 1, 2, 3]) == {A: 3, B: 1}
+    index.add(C, range(200, 210), "GPU")    # 74: 2, 1, then generation 1's last 8 go
+    assert index.longest_prefix([0, 1]) == {A: 1, B: 1}
+    assert index.longest_prefix(range(100, 160)) == {B: 52}
+    assert (len(index), index.blocks_of(A), index.blocks_of(B)) == (64, 1, 53)
+
+
+def test_tables_are_not_walked_by_the_garbage_collector() -> None:
+    """A full collection must not walk the map: its tables hold only hashes and integers."""
+    import gc
+    import os
+
+    index = KVBlockIndex(max_entries=100_000)
+    for i in range(300):
+        index.add(ReplicaId(f"r{i}"), [os.urandom(32) for _ in range(50)], "GPU")
+    index.add(A, [os.urandom(32) for _ in range(50)], "CPU")
+    gc.collect()
+    tables = [table for table in vars(index).values() if isinstance(table, dict)]
+    tables += [inner for table in tables for inner in table.values() if isinstance(inner, dict)]
+    assert max(map(len, tables)) >= 15_000  # the tables by block are among them
+    # only tables by replica (301) or by generation are tracked
+    assert max((len(t) for t in tables if gc.is_tracked(t)), default=0) <= 301
 
 
 OPS = st.lists(st.tuples(
@@ -94,21 +128,46 @@ def test_matches_brute_force_model(ops, query) -> None:
     assert len(index) == sum(len(blocks) for blocks in model.values())
 
 
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, query=st.lists(st.integers(0, 7), max_size=6), bound=st.integers(1, 12))
+def test_a_bounded_map_never_over_reports(ops, query, bound) -> None:
+    index, model = KVBlockIndex(max_entries=bound), {}
+    for op, replica, hashes in ops:
+        if op == "store":
+            index.add(replica, hashes, "CPU" if len(hashes) % 2 else "GPU")
+            model.setdefault(replica, set()).update(hashes)
+        elif op == "remove":
+            index.remove(replica, hashes)
+            model.get(replica, set()).difference_update(hashes)
+        else:
+            index.clear(replica) if op == "clear" else index.drop_replica(replica)
+            model.pop(replica, None)
+        assert len(index) == sum(index.blocks_of(r) for r in (A, B, C)) <= bound
+    for replica, depth in index.longest_prefix(query).items():
+        assert set(query[:depth]) <= model[replica]
+    for replica in (A, B, C):  # a block the map reports held was stored and not removed
+        assert all(index.medium(replica, b) is None for b in set(range(8)) - model.get(replica, set()))
+
+
 def test_bytes_per_entry_is_what_the_docs_and_the_metric_say() -> None:
-    """The worst case: every block held by one replica, the decoded hashes counted too."""
+    """The worst case: every block held by one replica of a large pool, the decoded hashes
+    counted too."""
     import os
     import tracemalloc
 
     from router.index import BYTES_PER_ENTRY
 
     index = KVBlockIndex(max_entries=10**6)
+    for i in range(255):  # the replica measured has slot 255: its mask is a 256-bit integer
+        index.add(ReplicaId(f"r{i}"), [i], "GPU")
+    before = len(index)
     tracemalloc.start()
     try:
         index.add(A, [os.urandom(32) for _ in range(20_000)], "GPU")
         used = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
-    assert 0.75 * BYTES_PER_ENTRY <= used / len(index) <= BYTES_PER_ENTRY
+    assert 0.75 * BYTES_PER_ENTRY <= used / (len(index) - before) <= BYTES_PER_ENTRY
 
 
 def test_removals_are_told_and_stores_counted_per_replica() -> None:

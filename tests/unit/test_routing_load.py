@@ -106,21 +106,33 @@ def test_a_slower_replica_shows_in_its_speed_while_noise_does_not() -> None:
     assert model.speed(B) == 1.0
 
 
-def test_dispatch_history_prefix_ttl_and_capacity() -> None:
+def test_dispatch_history_ttl_in_generations() -> None:
+    """Records are kept in generations of TTL / 2: one counts for at least the TTL, and until
+    its generation ended a TTL ago."""
+    clock = Clock()
+    history = DispatchHistory(ttl_s=10.0, stride=1, clock=clock)
+    history.record(A, [1, 2, 3])  # a generation from 0 s to 5 s
+    assert history.longest_prefix([1, 2, 9]) == {A: 2}
+    assert history.longest_prefix([9, 1]) == {}
+    clock.now = 14.9
+    assert history.longest_prefix([1]) == {A: 1}
+    clock.now = 15.0
+    assert history.longest_prefix([1]) == {}
+    assert len(history) == 0
+
+
+def test_dispatch_history_capacity() -> None:
     clock = Clock()
     history = DispatchHistory(ttl_s=10.0, capacity=4, stride=1, clock=clock)
     history.record(A, [1, 2, 3])
-    assert history.longest_prefix([1, 2, 9]) == {A: 2}
-    assert history.longest_prefix([9, 1]) == {}
-    clock.now = 11.0
-    assert history.longest_prefix([1]) == {}  # expired
-    history.record(B, [1, 2])  # 5 pairs > capacity 4: block 3, sent least recently, goes
+    clock.now = 6.0
+    history.record(B, [1, 2])  # a new generation; 5 records > 4: the old one's last block goes
+    assert len(history) == 4
+    assert history.longest_prefix([1, 2, 3]) == {A: 2, B: 2}
+    clock.now = 7.0
+    history.record(A, [2, 3])  # 6: the old generation's 2, then 1, go
     assert len(history) == 4
     assert history.longest_prefix([1, 2, 3]) == {B: 2}
-    clock.now = 12.0
-    history.record(A, [2, 3])  # 5 pairs again: block 1 goes, with both its replicas
-    assert len(history) == 3
-    assert history.longest_prefix([1, 2]) == {}  # block 1 is gone, so the prefix breaks there
     assert history.longest_prefix([2, 3]) == {A: 2, B: 1}
     history.forget(B)
     assert history.longest_prefix([2]) == {A: 1}
@@ -128,19 +140,31 @@ def test_dispatch_history_prefix_ttl_and_capacity() -> None:
 
 
 def test_dispatch_history_answers_every_replica_in_one_walk() -> None:
-    """Replicas drop out where their prefix ends, or where their entry is past the TTL, and
+    """Replicas drop out where their prefix ends, or where their record is past the TTL, and
     keep the depth they reached (the docstring's example, and more)."""
     clock = Clock()
     history = DispatchHistory(ttl_s=300.0, stride=1, clock=clock)
-    history.record(B, [1])
-    clock.now = 400.0
+    history.record(B, [1, 2, 3])  # a generation from 0 s to 150 s
+    clock.now = 200.0
     history.record(A, [1, 2])
     history.record(C, [1, 2, 3, 4])
     history.record(D, [1, 2, 3, 5])
-    assert history.longest_prefix([1, 2, 3]) == {A: 2, C: 3, D: 3}
-    assert history.longest_prefix([1, 2, 3, 4, 6]) == {A: 2, C: 4, D: 3}
-    clock.now = 690.0  # B's [1] was sent 690 s ago, the others 290 s ago
+    assert history.longest_prefix([1, 2, 3]) == {A: 2, B: 3, C: 3, D: 3}
+    assert history.longest_prefix([1, 2, 3, 4, 6]) == {A: 2, B: 3, C: 4, D: 3}
+    clock.now = 450.0  # B's generation ended 300 s ago; the others' started 250 s ago
     assert history.longest_prefix([1, 2, 3, 5]) == {A: 2, C: 3, D: 4}
+    assert len(history) == 10
+
+
+def test_dispatch_history_tables_are_not_walked_by_the_garbage_collector() -> None:
+    import gc
+
+    history = DispatchHistory(stride=1)
+    for i in range(300):
+        history.record(ReplicaId(f"r{i}"), list(range(i, i + 50)))
+    gc.collect()
+    (generation,) = history._generations
+    assert len(generation.sent) == 349 and not gc.is_tracked(generation.sent)
 
 
 def test_dispatch_history_keeps_every_stride_th_block_and_the_last() -> None:
