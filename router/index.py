@@ -9,7 +9,8 @@ Every table holds only hashes and integers (a block's holders are a bit mask of 
 which CPython's cyclic garbage collector does not track: a full collection in the ingress process
 does not walk the map. Kept as dicts of dicts and sets, a map of a million pairs added 140-170 ms
 to each full collection: a stall of every request on the event loop. The masks also make a lookup
-one `&` per block while several replicas hold the prefix, and a C loop once one does.
+one `&` per block while several replicas hold the prefix, and a C loop over the last holder's
+own table once one does.
 
 Each (block, replica) pair costs about `BYTES_PER_ENTRY` bytes of Python heap (measured with
 tracemalloc by tests/unit/test_kv_index.py: 32-byte hashes, each held by one replica, the
@@ -141,7 +142,7 @@ class KVBlockIndex:
         get, count = self._holders.get, len(hashes)
         alive, depth = get(hashes[0], 0), 1
         while alive and depth < count:
-            if not alive & (alive - 1):  # one holder left: the rest of the walk runs in C
+            if not alive & (alive - 1):  # one holder left: its own table, walked in C
                 owned = self._blocks[self._slots.name(alive)]
                 depth += len(list(takewhile(owned.__contains__, islice(hashes, depth, None))))
                 break

@@ -7,7 +7,8 @@ by CPython's cyclic garbage collector, however large they grow.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from itertools import takewhile
 from typing import NewType
 
 ReplicaId = NewType("ReplicaId", str)
@@ -65,3 +66,27 @@ def bits(mask: int) -> Iterator[int]:
         low = mask & -mask
         yield low
         mask ^= low
+
+
+def prefix_depths(masks: Iterator[int], slots: ReplicaSlots) -> dict[ReplicaId, int]:
+    """From the holder masks of a prompt's blocks in order, the leading blocks each replica
+    holds; replicas holding none are left out. One Python step per block while several
+    replicas hold the prefix; once one does, the rest runs in C.
+
+    Example (slots a=0, b=1): masks [0b11, 0b11, 0b01, 0b00, 0b01] -> {b: 2, a: 3}.
+    """
+    matched: dict[ReplicaId, int] = {}
+    alive, depth = next(masks, 0), 1
+    if not alive:
+        return matched
+    while alive & (alive - 1):
+        kept = alive & next(masks, 0)  # 0 past the last block
+        if kept != alive:
+            slots.assign(alive ^ kept, depth, matched)
+            alive = kept
+            if not alive:
+                return matched
+        depth += 1
+    depth += len(list(takewhile(alive.__and__, masks)))
+    matched[slots.name(alive)] = depth
+    return matched
