@@ -91,6 +91,10 @@ class LoadTracker:
     def ttft_params(self, replica: ReplicaId, now: float | None = None) -> TTFTParams:
         return self.model.params(replica, now)
 
+    def load(self, replica: ReplicaId) -> tuple[int, int]:
+        """(queued prefill tokens, requests in flight) on the replica, in one call."""
+        return self._queued.get(replica, 0), self._in_flight.get(replica, 0)
+
     def forget(self, replica: ReplicaId) -> None:
         """The replica is gone: its requests will end with errors; stop counting them."""
         for request_id in [k for k, r in self._requests.items() if r.replica == replica]:

@@ -189,18 +189,19 @@ class RoutingService:
         room = "cache_room" in self.policy.weights
         modelled = explain or "ttft" in self.policy.weights
         tracker, views, now = self._tracker, self._views, self._clock()
+        params, load = tracker.ttft_params, tracker.load
         prior = _PRIOR
         out = []
         for replica in replicas:
             view = views.get(replica)
-            model = tracker.ttft_params(replica, now) if modelled else prior
-            queued = tracker.queued_prefill_tokens(replica)
+            model = params(replica, now) if modelled else prior
+            queued, in_flight = load(replica)
             out.append(Candidate(
                 replica=replica,
                 cached_tokens=min(held.get(replica, 0) * block, prompt),
                 approx_cached_tokens=min(approx.get(replica, 0) * block, prompt),
                 queued_prefill_tokens=queued,
-                in_flight=max(tracker.in_flight(replica), view.in_flight if view else 0),
+                in_flight=max(in_flight, view.in_flight if view else 0),
                 kv_usage=view.kv_usage if view else 0.0,
                 prefill_tokens_per_s=model.tokens_per_s,
                 in_flight_cost_tokens=model.in_flight_cost_tokens,
