@@ -108,7 +108,7 @@ class RouterSpec(_Strict):
         1_000_000, ge=1000, description="Bound on (block, replica) pairs in the history of "
         "prefixes this router sent (approx_prefix: kv_aware, prefix_approx), per pool, in each "
         "ingress replica; every 4th block of a prompt is kept, and the blocks sent least "
-        "recently are forgotten first. About 340 bytes each. At 1,024 replicas and 768 req/s "
+        "recently are forgotten first. About 170 bytes each. At 1,024 replicas and 768 req/s "
         "of long prompts, the default bound lost reuse (see the README's At scale).")
     breaker_failures: int = Field(
         3, ge=1, description="A replica whose requests fail this many times (before they are "
@@ -121,8 +121,8 @@ class RouterSpec(_Strict):
     max_index_entries: int = Field(
         1_000_000, ge=1000, description="Bound on (block, replica) pairs in the block map of "
         "each pool, in each ingress replica; the least recently stored blocks are forgotten "
-        "first. About 450 bytes each (tokenfab_router_index_bytes): the default is at most "
-        "0.45 GB, room for 16 replicas of 60,000 blocks.")
+        "first. About 300 bytes each (tokenfab_router_index_bytes): the default is at most "
+        "0.3 GB, room for 16 replicas of 60,000 blocks.")
 
     @field_validator("weights")
     @classmethod
