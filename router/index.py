@@ -38,10 +38,10 @@ MAX_GENERATIONS = 4 * GENERATIONS  # past this many, the two oldest merge
 class KVBlockIndex:
     """Not thread-safe: one task applies events and answers lookups (others read snapshots).
 
-    Eviction order: blocks are kept in generations of about `max_entries / 16` blocks by the
-    time they were last stored (by any replica); past the bound, blocks of the oldest
-    generation go first, each with all its holders, the last stored of them first (a prompt's
-    tail before its head, as the engines evict).
+    Eviction order: blocks are kept in generations of about `max_entries / 16` blocks (or new
+    pairs, where blocks have many holders) by the time they were last stored (by any replica);
+    past the bound, blocks of the oldest generation go first, each with all its holders, the
+    last stored of them first (a prompt's tail before its head, as the engines evict).
     """
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES,
@@ -58,6 +58,7 @@ class KVBlockIndex:
         self._age: dict[EngineBlockHash, int] = {}  # block -> generation it was last stored in
         self._generations: dict[int, dict[EngineBlockHash, None]] = {0: {}}  # oldest first
         self._current = 0
+        self._generation_pairs = 0  # pairs new in the current generation
 
     def apply(self, replica: ReplicaId, batch: KVEventBatch) -> None:
         """Apply one replica's batch; batches of a replica must arrive in publication order."""
@@ -94,7 +95,8 @@ class KVBlockIndex:
                 self._set_medium(block, bit, medium)
         self._entries += new
         self._stored[replica] = self._stored.get(replica, 0) + new
-        if len(current) >= self._generation_size:
+        self._generation_pairs += new
+        if max(len(current), self._generation_pairs) >= self._generation_size:
             self._next_generation()
         self._shrink()
 
@@ -199,6 +201,7 @@ class KVBlockIndex:
     def _next_generation(self) -> None:
         generations = self._generations
         self._current += 1
+        self._generation_pairs = 0
         generations[self._current] = {}
         if len(generations) > MAX_GENERATIONS:  # many nearly emptied: fold the oldest two
             (old, members), (into, _) = list(generations.items())[:2]

@@ -12,11 +12,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import or_
 
 from router.events import EngineBlockHash
 from router.index import ReplicaId
 from router.slots import ReplicaSlots, prefix_depths
+
+GENERATIONS = 8  # a full history's generations: the eviction order's granularity
 from router.ttft_model import TTFTModel, TTFTParams
 
 
@@ -106,8 +107,9 @@ class LoadTracker:
 
 class DispatchHistory:
     """Which block-hash prefixes this router sent to each replica lately, bounded to `capacity`
-    records. Where the engines' events are followed, an eviction they report removes the
-    entry (`forget_blocks`); otherwise the TTL bounds how long a stale entry can mislead.
+    (block, replica) pairs. Where the engines' events are followed, an eviction they report
+    removes the entry (`forget_blocks`); otherwise the TTL bounds how long a stale entry can
+    mislead.
 
     Kept by block, like the engine-fed map (router/index.py), with the replicas sent a block as
     one integer's bits: one walk answers for every replica at once, and a full collection of
@@ -118,10 +120,11 @@ class DispatchHistory:
     is not kept goes unseen until one that is kept goes too (engines evict a prompt's tail
     first, so that is soon). The engine-fed map stays exact; this is the router's own guess.
 
-    Records are kept in generations of `ttl_s / 2`: a record counts for at least `ttl_s` and at
-    most 1.5 x `ttl_s`, and a lookup reads each of the (at most 3) generations that count.
-    Past `capacity` records (a pair sent in two generations is two), the oldest generation's
-    blocks leave first, each with all its replicas, the last recorded of them first.
+    Each pair is in the generation it was last sent in; a generation spans `ttl_s / 2`, or
+    `capacity / 8` pairs where that comes first. A pair counts for at least `ttl_s` and at most
+    1.5 x `ttl_s` (expired generations are emptied a few blocks per call, as fast as pairs
+    come in). Past `capacity`, the oldest generation's pairs leave first, the last sent of them
+    first. A lookup reads one table: the union of the generations.
 
     Example (stride 4): a 10-block prompt keeps blocks 4, 8 and 10; a later prompt sharing its
     first 9 blocks matches 8 of them.
@@ -130,10 +133,10 @@ class DispatchHistory:
     def __init__(self, ttl_s: float = 300.0, capacity: int = 1_000_000, stride: int = 4,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl, self._capacity, self._stride, self._clock = ttl_s, capacity, stride, clock
-        self._span = ttl_s / 2
+        self._span, self._generation_size = ttl_s / 2, max(1, capacity // GENERATIONS)
         self._slots = ReplicaSlots()
-        # newest last: (start, block -> mask of replicas sent it in the generation, records)
-        self._generations: list[_Generation] = []
+        self._sent: dict[EngineBlockHash, int] = {}  # block -> replicas: all generations
+        self._generations: list[_Generation] = []  # oldest first
         self._entries = 0
 
     def _kept(self, hashes: Sequence[EngineBlockHash]) -> Sequence[EngineBlockHash]:
@@ -145,34 +148,60 @@ class DispatchHistory:
             kept = [*kept, hashes[-1]]
         return kept
 
-    def _live(self, now: float) -> list[dict[EngineBlockHash, int]]:
-        """The generations that count at `now`, newest first (older ones are dropped)."""
-        generations = self._generations
-        while generations and generations[0].start + self._span <= now - self._ttl:
-            self._entries -= generations.pop(0).records
-        return [g.sent for g in reversed(generations)]
-
-    def record(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
-        now, bit = self._clock(), self._slots.bit(replica)
-        self._live(now)
-        generations = self._generations
-        if not generations or generations[-1].start + self._span <= now:
-            generations.append(_Generation(now))
-        current = generations[-1]
-        kept = self._kept(hashes)
-        masks = list(map(current.sent.get, kept, repeat(0)))
-        new = len(kept) - sum(map(bool, map(bit.__and__, masks)))
-        current.sent.update(zip(kept, map(bit.__or__, masks)))  # in C: a 32k-token prompt
-        current.records += new                                  # keeps 500 blocks
-        self._entries += new
-        while self._entries > self._capacity:
+    def _expire(self, now: float, budget: int) -> None:
+        """Up to `budget` pairs of generations past the TTL leave, then any past capacity."""
+        generations, sent = self._generations, self._sent
+        ended, entries, capacity = now - self._ttl - self._span, self._entries, self._capacity
+        while generations:
             oldest = generations[0]
+            if entries <= capacity and (budget <= 0 or oldest.start > ended):
+                break
             if not oldest.sent:
                 generations.pop(0)
                 continue
-            _, mask = oldest.sent.popitem()
-            oldest.records -= mask.bit_count()
-            self._entries -= mask.bit_count()
+            block, mask = oldest.sent.popitem()
+            held = sent[block]
+            if held == mask:
+                del sent[block]
+            else:
+                sent[block] = held ^ mask
+            count = mask.bit_count()
+            oldest.records -= count
+            entries -= count
+            budget -= 1
+        self._entries = entries
+
+    def _drop(self, block: EngineBlockHash, bit: int) -> None:
+        held = self._sent[block] ^ bit
+        if held:
+            self._sent[block] = held
+        else:
+            del self._sent[block]
+        self._entries -= 1
+
+    def record(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
+        now, bit, kept = self._clock(), self._slots.bit(replica), self._kept(hashes)
+        generations = self._generations
+        if not generations or generations[-1].start + self._span <= now \
+                or generations[-1].records >= self._generation_size:
+            generations.append(_Generation(now))
+        current, older = generations[-1], generations[-2::-1]  # newest first: likelier
+        sent, here = self._sent, current.sent
+        sent_get, here_get, new, moved = sent.get, here.get, 0, 0
+        for block in kept:
+            mask = sent_get(block, 0)
+            if not mask & bit:
+                sent[block] = mask | bit
+                new += 1
+            elif here_get(block, 0) & bit:
+                continue  # sent in this generation already: it keeps its place
+            else:  # sent in an older one: it moves here
+                self._take(block, bit, older)
+                moved += 1
+            here[block] = here_get(block, 0) | bit
+        current.records += new + moved
+        self._entries += new
+        self._expire(now, 2 * len(kept) + 64)
 
     def longest_prefix(self, hashes: Sequence[EngineBlockHash]) -> dict[ReplicaId, int]:
         """Leading blocks of `hashes` sent to each replica within the TTL, to the last kept
@@ -181,52 +210,54 @@ class DispatchHistory:
         Example (stride 1): a was sent [h1, h2] 10 s ago, b [h1] 500 s ago (TTL 300 s); for
         [h1, h2, h3] -> {a: 2}.
         """
-        live = self._live(self._clock())
-        if not live or not hashes:
+        if not hashes:
             return {}
         kept = self._kept(hashes)
-        masks = map(live[0].get, kept, repeat(0))
-        for sent in live[1:]:
-            masks = map(or_, masks, map(sent.get, kept, repeat(0)))
+        self._expire(self._clock(), 2 * len(kept) + 64)
         stride, count = self._stride, len(hashes)
+        masks = map(self._sent.get, kept, repeat(0))
         return {replica: min(depth * stride, count)
                 for replica, depth in prefix_depths(masks, self._slots).items()}
 
     def forget_blocks(self, replica: ReplicaId, hashes: Sequence[EngineBlockHash]) -> None:
         """The replica evicted these blocks: a prefix through a kept one of them is gone."""
         bit = self._slots.known(replica)
-        for generation in self._generations if bit else ():
-            self._clear(generation, hashes, bit)
+        if not bit:
+            return
+        sent = self._sent
+        for block in hashes:
+            if sent.get(block, 0) & bit:
+                self._take(block, bit, self._generations)
+                self._drop(block, bit)
 
     def forget(self, replica: ReplicaId) -> None:
-        """The replica left: forget every record of it (and free its slot)."""
+        """The replica left: forget every pair of it (and free its slot)."""
         bit = self._slots.known(replica)
-        for generation in self._generations if bit else ():
-            self._clear(generation, [b for b, mask in generation.sent.items() if mask & bit], bit)
+        if bit:
+            self.forget_blocks(replica, [b for b, mask in self._sent.items() if mask & bit])
         self._slots.release(replica)
 
-    def _clear(self, generation: _Generation, hashes: Sequence[EngineBlockHash], bit: int) -> None:
-        sent, gone = generation.sent, 0
-        for block in hashes:
-            mask = sent.get(block, 0)
+    def _take(self, block: EngineBlockHash, bit: int, generations: list[_Generation]) -> None:
+        """Take the pair (block, bit) out of the generation holding it."""
+        for generation in generations:
+            mask = generation.sent.get(block, 0)
             if mask & bit:
-                gone += 1
                 if mask == bit:
-                    del sent[block]
+                    del generation.sent[block]
                 else:
-                    sent[block] = mask ^ bit
-        generation.records -= gone
-        self._entries -= gone
+                    generation.sent[block] = mask ^ bit
+                generation.records -= 1
+                return
 
     def __len__(self) -> int:
-        """Records held: (block, replica) pairs, once per generation they were sent in."""
+        """(block, replica) pairs held."""
         return self._entries
 
 
 @dataclass(slots=True)
 class _Generation:
     start: float
-    sent: dict[EngineBlockHash, int] = field(default_factory=dict)
+    sent: dict[EngineBlockHash, int] = field(default_factory=dict)  # block -> replicas
     records: int = 0
 
 

@@ -139,6 +139,17 @@ def test_dispatch_history_capacity() -> None:
     assert len(history) == 2
 
 
+def test_a_full_history_forgets_the_oldest_records_not_the_newest() -> None:
+    """Within one TTL, a generation ends once it holds capacity / 8 pairs, so the pairs that
+    leave a full history are old ones."""
+    history = DispatchHistory(ttl_s=300.0, capacity=16, stride=1, clock=Clock())
+    for block in range(40):
+        history.record(A, [block])
+    assert len(history) <= 16
+    assert all(history.longest_prefix([b]) == {A: 1} for b in range(28, 40))
+    assert all(history.longest_prefix([b]) == {} for b in range(0, 20))
+
+
 def test_dispatch_history_answers_every_replica_in_one_walk() -> None:
     """Replicas drop out where their prefix ends, or where their record is past the TTL, and
     keep the depth they reached (the docstring's example, and more)."""
@@ -164,7 +175,8 @@ def test_dispatch_history_tables_are_not_walked_by_the_garbage_collector() -> No
         history.record(ReplicaId(f"r{i}"), list(range(i, i + 50)))
     gc.collect()
     (generation,) = history._generations
-    assert len(generation.sent) == 349 and not gc.is_tracked(generation.sent)
+    assert len(generation.sent) == len(history._sent) == 349
+    assert not gc.is_tracked(generation.sent) and not gc.is_tracked(history._sent)
 
 
 def test_dispatch_history_keeps_every_stride_th_block_and_the_last() -> None:
