@@ -11,7 +11,7 @@ documents, so popular blocks have many holders), then times:
 - a full collection of Python's garbage collector, in this process before the map is built
   and with it (the map's share of every such pause, which stalls the ingress event loop).
 
-Each replica reports a KV capacity (`--kv-blocks`), as started engines do, so the cache-room
+Each replica reports a KV capacity (`KV_BLOCKS`), as started engines do, so the cache-room
 scorer's part of a decision is counted.
 
     .venv/bin/python benchmarks/router_cost.py
@@ -145,7 +145,8 @@ def main() -> None:
     (RESULTS / "router_cost.md").write_text(
         "# Router cost\n\n`python benchmarks/router_cost.py` (one core of this machine): "
         f"{entries:,} (block, replica) pairs over {REPLICAS} replicas, 8,192-token requests "
-        f"(512 blocks of {BLOCK}), each replica reporting {KV_BLOCKS:,} KV blocks.\n\n| measure | value | target | target / value |\n|---|---:|---:|---:|\n"
+        f"(512 blocks of {BLOCK}), each replica reporting {KV_BLOCKS:,} KV blocks.\n\n"
+        "| measure | value | target | target / value |\n|---|---:|---:|---:|\n"
         f"| decision p50 (ms) | {result['decision_p50_ms']:.3f} | | |\n"
         f"| decision p99 (ms) | {result['decision_p99_ms']:.3f} | < {TARGET_DECISION_P99_MS} | "
         f"{TARGET_DECISION_P99_MS / result['decision_p99_ms']:.2f}x |\n"

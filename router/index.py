@@ -186,11 +186,10 @@ class KVBlockIndex:
             masks = self._media.setdefault(medium, {})
             masks[block] = masks.get(block, 0) | bit
 
-    def _forget_block(self, block: EngineBlockHash) -> int:
-        """Drop a block from the holder and age tables; its former holders' mask."""
-        mask = self._holders.pop(block)
+    def _forget_block(self, block: EngineBlockHash) -> None:
+        """Drop a block from the holder, age and generation tables."""
+        del self._holders[block]
         self._leave(self._age.pop(block), block)
-        return mask
 
     def _leave(self, generation: int, block: EngineBlockHash) -> None:
         members = self._generations[generation]

@@ -54,10 +54,8 @@ class ReplicaSlots:
     def assign(self, mask: int, depth: int, matched: dict[ReplicaId, int]) -> None:
         """matched[r] = depth for every replica r in `mask`."""
         names = self._names
-        while mask:
-            low = mask & -mask
-            matched[names[low.bit_length() - 1]] = depth
-            mask ^= low
+        for bit in bits(mask):
+            matched[names[bit.bit_length() - 1]] = depth
 
 
 def bits(mask: int) -> Iterator[int]:

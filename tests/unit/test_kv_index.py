@@ -76,6 +76,22 @@ def test_memory_bound_in_generations() -> None:
     assert (len(index), index.blocks_of(A), index.blocks_of(B)) == (64, 1, 53)
 
 
+def test_nearly_emptied_generations_fold_and_keep_their_order() -> None:
+    """Blocks stored again leave one behind in each generation; past 64 generations the two
+    oldest fold into one, and the oldest blocks still leave first."""
+    index = KVBlockIndex(max_entries=1024)  # a new generation once one has 64 blocks
+    index.add(A, range(64), "GPU")
+    live = list(range(1, 64))
+    for new in range(64, 140):  # each round: 63 blocks stored again, one new: 64, a generation
+        index.add(A, [*live, new], "GPU")
+        live = [*live[1:], new]  # the oldest of them stays behind, alone in its generation
+    assert len(index._generations) <= 65
+    assert index.longest_prefix(range(140)) == {A: 140}
+    index.add(B, range(1000, 1000 + 1024 - 140 + 3), "GPU")  # 3 over: 0, 1 and 2 go
+    assert index.longest_prefix(range(5)) == {}
+    assert index.longest_prefix(range(3, 140)) == {A: 137}
+
+
 def test_tables_are_not_walked_by_the_garbage_collector() -> None:
     """A full collection must not walk the map: its tables hold only hashes and integers."""
     import gc
