@@ -81,10 +81,10 @@ def test_dp_replica_serves_outputs_equal_to_the_bare_engine(dp: Topology,
     _assert_equal_to_reference(root, dp.model.name, reference)
     replica, ranks = _ranks(root)
     assert sorted(ranks) == [0, 1]
-    # each rank's own cache: 32 MiB of 128-token blocks at 2 KiB a token (4 layers x K and V x
-    # 2 KV heads x 64 dims x bf16); vLLM's front end reports both ranks' together
+    # each rank's own cache: 64 MiB of 128-token blocks at 4 KiB a token (4 layers x K and V x
+    # 2 KV heads x 64 dims x float32); vLLM's front end reports both ranks' together
     [report] = _get(root, "/tokenfab/replicas")
-    assert report["kv_blocks"] == (32 << 20) // (BLOCK * 2048) == 128
+    assert report["kv_blocks"] == (64 << 20) // (BLOCK * 4096) == 128
     routed = _get(root, "/tokenfab/router")["pools"]["main"]["replicas"]
     assert sorted(routed) == [f"{replica}/dp0", f"{replica}/dp1"]  # the router's targets
 

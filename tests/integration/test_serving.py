@@ -404,8 +404,8 @@ def _by_root(rows: list[dict], seed: int, share: float = 0.06) -> list[dict]:
 
 
 def test_evicted_blocks_leave_the_map(deployment: Deployment, http: httpx.Client) -> None:
-    """64 MiB of KV cache per replica holds 256 blocks: 40 new 1,800-token prompts evict an
-    earlier prefix; the map, fed by BlockRemoved events, stops claiming it, and the engine
+    """128 MiB of float32 KV cache per replica holds 256 blocks: 40 new 1,800-token prompts
+    evict an earlier prefix; the map, fed by BlockRemoved events, stops claiming it, and the engine
     agrees (no cached tokens when it comes back)."""
     prefix = _long_prompt("evictme", 320)
     first = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1})
