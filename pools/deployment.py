@@ -187,6 +187,10 @@ class PoolReplica:
         meter = StreamMeter(keep_usage, resumed=None if resume is None else len(resume))
         tracked, streaming = request.track_tokens, False
         trace = TokenTrace(resume or ()) if tracked or resume is not None else None
+        # A tracked stream's token chunks wait here while their tokens wait for their text
+        # (TokenTrace): the client gets a token's chunk, its logprobs too, with the ids the
+        # gateway counts as the client's, so a continuation repeats none and loses none.
+        held: list[bytes] = []
         with self._counted_on(request.rank):
             async for item in self._engine.reply(request.endpoint, body, trace, request.rank):
                 if isinstance(item, ReplyHead):
@@ -195,12 +199,20 @@ class PoolReplica:
                 elif streaming:
                     chunk, token = meter.feed(item)
                     if chunk and token and tracked:
-                        reply.tokens(chunk, trace.take())
+                        held.append(chunk)
+                        if not trace.holding:
+                            reply.tokens(b"".join(held), trace.take())
+                            held.clear()
                     elif chunk:
+                        if held:  # nothing overtakes the held chunks
+                            reply.tokens(b"".join(held), trace.rest())
+                            held.clear()
                         reply.data(chunk, token)
                 else:
                     meter.usage = usage_of(item)  # zeros for an error body
                     reply.data(item)
+        if held:
+            reply.tokens(b"".join(held), trace.rest())
         reply.end(meter.usage)
 
     @contextmanager

@@ -76,6 +76,17 @@ class TokenTrace:
         ids, self._ready = self._ready, []
         return ids
 
+    @property
+    def holding(self) -> bool:
+        """Whether the last tokens added still wait for the text that completes them."""
+        return bool(self._pending)
+
+    def rest(self) -> list[int]:
+        """Every token not taken yet, the held ones too (the stream ended: none will be
+        continued)."""
+        ids, self._ready, self._pending = self._ready + self._pending, [], []
+        return ids
+
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 from vllm import SamplingParams
 
-from channel.frames import Usage
+from channel.frames import Request, Usage
 from orchestrator.gateway.migration import continuation_body, not_resumable
-from pools.engine import TokenTrace
+from pools.engine import ReplyHead, TokenTrace
 from pools.usage import StreamMeter
 from pools.vllm_engine import _resumed, _traced
+from tokenfab.errors import EngineDeadError
 
 STREAM = {"model": "tiny", "prompt": "x", "stream": True}
 
@@ -151,3 +152,82 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
                              {"priority": 1})
 
     asyncio.run(scenario())
+
+
+class _Recorder:
+    """A channel reply that keeps what the replica sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes, list[int] | None]] = []
+
+    def head(self, status: int, streaming: bool, replica_id: str) -> None:
+        self.sent.append(("head", b"", None))
+
+    def data(self, chunk: bytes, token: bool = False) -> None:
+        self.sent.append(("data", chunk, None))
+
+    def tokens(self, chunk: bytes, ids: list[int]) -> None:
+        self.sent.append(("tokens", chunk, ids))
+
+    def end(self, usage) -> None:
+        self.sent.append(("end", b"", None))
+
+
+def _chunk(token: int, text: str) -> bytes:
+    return (b'data: {"id":"c","choices":[{"index":0,"text":"%s","logprobs":{"tokens":'
+            b'["token_id:%d"]}}]}\n\n' % (text.encode(), token))
+
+
+class _Engine:
+    """Streams one chunk per step, adding each step to the trace first, as vllm_engine does;
+    `fail_after` steps, it dies."""
+
+    def __init__(self, steps: list[tuple[int, str]], fail_after: int | None = None) -> None:
+        self.steps, self.fail_after = steps, fail_after
+
+    async def reply(self, endpoint, body, trace, rank):
+        yield ReplyHead(200, streaming=True)
+        for n, (token, text) in enumerate(self.steps):
+            if n == self.fail_after:
+                raise EngineDeadError("engine died")
+            trace.add([token], text)
+            yield _chunk(token, text)
+        yield b"data: [DONE]\n\n"
+
+
+def _serve(engine: _Engine) -> tuple[list, BaseException | None]:
+    from pools.deployment import PoolReplica
+
+    class Bare(PoolReplica):  # no engine started, none to stop
+        def __del__(self) -> None:
+            pass
+
+    replica = Bare.__new__(Bare)
+    replica._engine, replica._replica_id, replica._rank_in_flight = engine, "r1", []
+    reply, error = _Recorder(), None
+    request = Request("completions", b'{"prompt": [1], "stream": true, "logprobs": 1}',
+                      track_tokens=True)
+    try:
+        asyncio.run(replica.serve(request, reply))
+    except EngineDeadError as exc:
+        error = exc
+    return [(kind, ids) if kind == "tokens" else kind for kind, _, ids in reply.sent], error
+
+
+def test_a_tokens_chunk_waits_with_its_tokens_for_their_text() -> None:
+    """6 and 7 are parts of a character that 8 completes: their chunks (their logprobs) reach
+    the gateway with 8's, and with the ids the gateway then counts as the client's. At the
+    stream's end, a held token goes out before [DONE]."""
+    steps = [(5, "a"), (6, ""), (7, ""), (8, "b"), (9, "")]
+    sent, error = _serve(_Engine(steps))
+    assert error is None
+    assert sent == ["head", ("tokens", [5]), ("tokens", [6, 7, 8]), ("tokens", [9]), "data",
+                    "end"]
+
+
+def test_chunks_held_when_the_engine_dies_never_reach_the_client() -> None:
+    """The engine dies after 6 (part of a character): the client has 5 alone, its chunk and its
+    id, so the continuation starts after 5 and repeats no token's logprobs."""
+    sent, error = _serve(_Engine([(5, "a"), (6, ""), (7, "b")], fail_after=2))
+    assert isinstance(error, EngineDeadError)
+    assert sent == ["head", ("tokens", [5])]
