@@ -6,16 +6,18 @@ sharing a prefix), while one engine (`VLLM::EngineCore`, the replica with the mo
 flight) is SIGKILLed every `--kill-every` seconds. Serve replaces the replica; meanwhile the
 gateway retries what had not started and migrates what had (gateway.retries, gateway.migrate).
 
-Every request's text and usage are checked against the same request run alone and uninterrupted
-before the soak (the reference). Reported: requests sent, completed, failed (an HTTP error or an
-error event in the stream) and mismatched (completed, but not as the reference); TTFT and
+Every request's tokens, text and usage are checked against the same request run alone and
+uninterrupted before the soak (the reference; `divergence`: a token may differ only where the
+two runs' logprobs show a near-tie). Reported: requests sent, completed, failed (an HTTP error or
+an error event in the stream) and mismatched (completed, but not as the reference); TTFT and
 end-to-end p50/p99 per window of `--kill-every` seconds; resident memory of the gateway, the pool
 replicas and the engines, sampled every `--rss-every` seconds, with its slope (a leak shows as a
 slope that does not level off; each kill restarts one replica's processes).
 
 The engines run in float32 (`--dtype`): in bfloat16, a prompt computed at once and the same tokens
-computed one by one differ in the last bits, enough for the random tiny model's near-ties to pick
-other tokens after a migration (benchmarks/resume_identity.py).
+computed one by one differ in the last bits, enough for the random tiny model's near-ties (exact
+ties, in bfloat16's few bits) to pick other tokens after a migration
+(benchmarks/resume_identity.py).
 
     .venv/bin/python benchmarks/soak.py [--minutes 30 --kill-every 300 --load 0.8]
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import signal
 import statistics
@@ -62,15 +65,69 @@ class Stream:
     sent: float = 0.0
     first_token: float | None = None
     finished: float = 0.0
+    tokens: list[int] = field(default_factory=list)  # with logprobs asked (see `greedy`)
+    top: list[dict[int, float]] = field(default_factory=list)  # each token's top logprobs
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.done and not self.errors
 
     def answer(self) -> tuple[str, int | None, int | None]:
-        """What the reference is compared on: the text and the token counts."""
+        """The text and the token counts."""
         usage = self.usage or {}
         return self.text, usage.get("prompt_tokens"), usage.get("completion_tokens")
+
+    def _logprobs(self, choice: dict[str, Any]) -> None:
+        logprobs = choice.get("logprobs") or {}
+        if self.endpoint == "completions":
+            pairs = zip(logprobs.get("tokens") or (), logprobs.get("top_logprobs") or ())
+        else:
+            pairs = ((c["token"], {t["token"]: t["logprob"] for t in c["top_logprobs"]})
+                     for c in logprobs.get("content") or ())
+        for token, top in pairs:
+            self.tokens.append(_token_id(token))
+            self.top.append({_token_id(t): logprob for t, logprob in top.items()})
+
+
+# Greedy decoding is defined up to the engine's arithmetic: a prompt computed at once, a cached
+# prefix, another batch, all change the last bits of the logits, and where two tokens' logprobs
+# are that close either may be picked (the random tiny model has such near-ties, even in
+# float32: benchmarks/resume_identity.py). Measured between such paths in float32: under 1e-6.
+NEAR_TIE = 1e-3
+
+
+def greedy(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """`body` asking for each token's id and top-2 logprobs, which `divergence` compares."""
+    asked = {"logprobs": 2} if endpoint == "completions" else {"logprobs": True, "top_logprobs": 2}
+    return body | asked | {"return_tokens_as_token_ids": True}
+
+
+def divergence(got: Stream, want: Stream, tolerance: float = NEAR_TIE) -> str | None:
+    """Why `got` is not what `want` (the same greedy request, uninterrupted) gave; None if it is.
+
+    The same token counts; the same tokens up to the first that differs, where the two tokens
+    must be a near-tie in both runs (each within `tolerance` of the other in the other's top
+    logprobs), after which greedy decoding follows another path; and with no such token, the
+    same text. Without logprobs (not asked with `greedy`), the same text.
+    """
+    if got.answer()[1:] != want.answer()[1:]:
+        return f"usage {got.answer()[1:]}, want {want.answer()[1:]}"
+    if len(got.tokens) != len(want.tokens):
+        return f"{len(got.tokens)} tokens with logprobs, want {len(want.tokens)}"
+    for i, (mine, theirs) in enumerate(zip(got.tokens, want.tokens)):
+        if mine != theirs:
+            gap = (want.top[i].get(theirs, math.inf) - want.top[i].get(mine, -math.inf),
+                   got.top[i].get(mine, math.inf) - got.top[i].get(theirs, -math.inf))
+            if max(gap) <= tolerance:
+                return None
+            return (f"token {i}: {mine}, want {theirs}, not a near-tie "
+                    f"(logprob gaps {gap[0]:.3g} there, {gap[1]:.3g} here)")
+    return None if got.text == want.text else f"text {got.text[:80]!r}, want {want.text[:80]!r}"
+
+
+def _token_id(token: str) -> int:
+    """A token as vLLM names it with `return_tokens_as_token_ids`: "token_id:42"."""
+    return int(token.removeprefix("token_id:"))
 
 
 async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]) -> Stream:
@@ -98,6 +155,7 @@ async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any])
                 if chunk.get("usage"):
                     out.usage = chunk["usage"]
                 for choice in chunk.get("choices") or ():
+                    out._logprobs(choice)
                     piece = choice.get("text") if endpoint == "completions" \
                         else (choice.get("delta") or {}).get("content")
                     if piece is None:
@@ -134,22 +192,23 @@ def workload(count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
         if index % 2:
             body["stream_options"] = {"include_usage": True}
         if index % 4 in (1, 2):
-            requests.append(("chat", body | {"messages": [{"role": "user", "content": text}]}))
+            requests.append(("chat", greedy("chat", body | {
+                "messages": [{"role": "user", "content": text}]})))
         else:
-            requests.append(("completions", body | {"prompt": text}))
+            requests.append(("completions", greedy("completions", body | {"prompt": text})))
     return requests
 
 
 async def reference(client: httpx.AsyncClient, requests: list[tuple[str, dict[str, Any]]],
-                    concurrency: int = 2) -> list[tuple[str, int | None, int | None]]:
+                    concurrency: int = 2) -> list[Stream]:
     """Each request run alone (at most `concurrency` at once), uninterrupted."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(endpoint: str, body: dict[str, Any]) -> tuple[str, int | None, int | None]:
+    async def one(endpoint: str, body: dict[str, Any]) -> Stream:
         async with gate:
             result = await stream(client, endpoint, body)
         assert result.ok, f"reference request failed: {result.status} {result.errors}"
-        return result.answer()
+        return result
 
     return list(await asyncio.gather(*(one(e, b) for e, b in requests)))
 
@@ -267,7 +326,9 @@ async def soak(root: str, app: str, *, seconds: float, kill_every_s: float, load
                 await asyncio.sleep(max(0.0, start + at - time.monotonic()))
                 if time.monotonic() - start >= seconds:
                     return
-                victim = await kill_busiest_engine(client, replicas_expected, kill_every_s / 2)
+                # a replica killed before may still be starting (over a minute, on 2 busy cores)
+                victim = await kill_busiest_engine(client, replicas_expected,
+                                                   start + seconds - time.monotonic())
                 kills.append({"at_s": round(time.monotonic() - start, 1), "replica": victim})
 
         async def sampler() -> None:
@@ -290,11 +351,12 @@ async def soak(root: str, app: str, *, seconds: float, kill_every_s: float, load
     return summarize(results, expected, start, kills, rss, seconds, kill_every_s, rate, load)
 
 
-def summarize(results: list[tuple[int, Stream]], expected: list[tuple], start: float,
+def summarize(results: list[tuple[int, Stream]], expected: list[Stream], start: float,
               kills: list[dict[str, Any]], rss: list[tuple[float, dict[str, float]]],
               seconds: float, window_s: float, rate: float, load: float) -> dict[str, Any]:
     failed = [s for _, s in results if not s.ok]
-    mismatched = [(i, s) for i, s in results if s.ok and s.answer() != expected[i]]
+    mismatched = [(i, s, why) for i, s in results
+                  if s.ok and (why := divergence(s, expected[i])) is not None]
     split = [(i, s) for i, s in results if s.ok and len(s.chunk_ids) != 1]
     windows = []
     for w in range(max(1, int(-(-seconds // window_s)))):
@@ -315,9 +377,8 @@ def summarize(results: list[tuple[int, Stream]], expected: list[tuple], start: f
         "failures": [{"at_s": round(s.sent - start, 1), "took_s": round(s.finished - s.sent, 1),
                       "status": s.status, "replica": s.replica, "error": s.errors[:1]}
                      for s in failed][:10],
-        "mismatches": [{"request": i, "got": s.answer()[0][:80], "want": expected[i][0][:80],
-                        "usage": s.answer()[1:], "want_usage": expected[i][1:]}
-                       for i, s in mismatched][:10],
+        "mismatches": [{"request": i, "why": why, "got": s.text[:80],
+                        "want": expected[i].text[:80]} for i, s, why in mismatched][:10],
     }
 
 

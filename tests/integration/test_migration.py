@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.soak import Stream, kill_engine, soak, stream
+from benchmarks.soak import Stream, divergence, greedy, kill_engine, soak, stream
 from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.conftest import ROOT, up
@@ -36,16 +36,18 @@ def migrating(ray_cluster) -> Topology:
 
 def _requests() -> list[tuple[str, dict]]:
     """Greedy streams that all generate their `max_tokens` (so each is long enough to be cut):
-    half completions, half chats, every one asking for its usage."""
+    half completions, half chats, every one asking for its usage and its tokens' logprobs."""
     requests = []
     for i in range(STREAMS):
         words = " ".join(f"w{(i * 13 + j) % 97}" for j in range(20 + 7 * i))
         body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         if i % 2:
-            requests.append(("chat", body | {"messages": [{"role": "user", "content": words}]}))
+            requests.append(("chat", greedy("chat", body | {
+                "messages": [{"role": "user", "content": words}]})))
         else:
-            requests.append(("completions", body | {"prompt": f"stream {i}: {words}"}))
+            requests.append(("completions", greedy("completions", body | {
+                "prompt": f"stream {i}: {words}"})))
     return requests
 
 
@@ -103,9 +105,10 @@ async def _all(root: str, requests: list[tuple[str, dict]],
 
 def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
     """32 greedy streams over two replicas; one engine is SIGKILLed while they stream. Every
-    stream completes, token for token what the same requests gave
-    uninterrupted, with one chunk id and the usage of one request; the gateway charged each
-    once; the streams cut on the dead engine were continued on the other replica."""
+    stream completes, token for token what the same requests gave uninterrupted (up to a
+    near-tie of the two runs' logprobs: `divergence`), with one chunk id and the usage of one
+    request; the gateway charged each once; the streams cut on the dead engine were continued
+    on the other replica."""
     root, requests = gateway_url(migrating), _requests()
     reference = asyncio.run(_all(root, requests))
     assert all(s.ok for s in reference), [s.errors for s in reference if not s.ok]
@@ -120,9 +123,8 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
 
     assert [s.errors for s in streams if not s.ok] == []
     assert all(s.done and len(s.chunk_ids) == 1 for s in streams)
-    for got, want in zip(streams, reference):
-        assert got.answer() == want.answer()
-        assert got.usage["completion_tokens"] == MAX_TOKENS
+    assert [divergence(got, want) for got, want in zip(streams, reference)] == [None] * STREAMS
+    assert all(len(s.tokens) == s.usage["completion_tokens"] == MAX_TOKENS for s in streams)
     # every stream whose first bytes came from the victim was cut there and continued
     on_victim = [s for s in streams if s.replica == victim]
     migrations = _migrations(root)
@@ -133,8 +135,10 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
 
 
 def test_short_soak_kills_engines_under_load_and_loses_nothing(migrating: Topology) -> None:
-    """benchmarks/soak.py for two and a half minutes: an engine killed every minute under 80% of
-    measured capacity; every request completes as its uninterrupted reference."""
+    """benchmarks/soak.py for 190 s: an engine killed at 65 s, and another at 130 s or once the
+    replica killed first is back (its replacement took over 90 s from the kill here, the engine
+    starting beside the load), under 80% of measured capacity; every request completes as its
+    uninterrupted reference."""
     root = gateway_url(migrating)
 
     def both_ready() -> bool:  # the registry answers throughout (it outlived the killed replica)
@@ -145,7 +149,7 @@ def test_short_soak_kills_engines_under_load_and_loses_nothing(migrating: Topolo
     while not both_ready():  # the previous test's victim is being replaced
         assert time.monotonic() < deadline, "the killed replica was not replaced"
         time.sleep(1)
-    result = asyncio.run(soak(root, migrating.name, seconds=150, kill_every_s=60, load=0.8,
+    result = asyncio.run(soak(root, migrating.name, seconds=190, kill_every_s=65, load=0.8,
                               rss_every_s=5, distinct=24, capacity_s=15))
     shown = json.dumps({key: result[key] for key in ("failures", "mismatches", "kill_log",
                                                      "windows", "rate_rps")}) + _serve_events()
