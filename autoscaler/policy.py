@@ -41,7 +41,10 @@ Down, by one replica, when for `downscale_delay_s` the load would fit one replic
 margin's share of their target, no request waiting) and the latency p90s stayed under
 `LATENCY_CALM` of their targets; the calm clock then restarts, so each further step waits as
 long again. Latency has its own, softer bar: an engine's floor latency may sit above half the
-target, and a pool must still come down when its load is gone.
+target, and a pool must still come down when its load is gone. Where one replica fewer would
+still give every request an engine of its own (ongoing <= replicas - 1), latency does not count
+at all: a request alone gets the floor, however many replicas stand idle (the same reason as
+"two or more requests per replica" for going up).
 Example: margin 0.5, target_ongoing 8, 3 replicas with 6 ongoing, no waiting, KV low, ITL p90
 0.12 s against 0.2 s: 6 <= 0.5 x 8 x 2 and 0.12 <= 0.8 x 0.2, so after 30 calm seconds 3 -> 2;
 2 -> 1 needs 6 <= 4: it stays at 2.
@@ -143,17 +146,20 @@ def _up(s: PoolSignals, t: Targets, current: int, plan: Plan | None) -> tuple[in
     return max(asks, key=lambda ask: ask[0])
 
 
-def _calm(s: PoolSignals, t: Targets, current: int, max_ongoing: float) -> bool:
-    """Whether the pool is calm: at most `max_ongoing` requests, none waiting, KV usage and
-    the prefill backlog under the margin's share of their targets, latencies under
-    LATENCY_CALM of theirs."""
+def _calm(s: PoolSignals, t: Targets, current: int, fewer: int, max_ongoing: float) -> bool:
+    """Whether the pool, stepping down to `fewer` replicas, is calm: at most `max_ongoing`
+    requests, none waiting, KV usage and the prefill backlog under the margin's share of their
+    targets, latencies under LATENCY_CALM of theirs. Where `fewer` replicas would still give each
+    request an engine of its own (ongoing <= fewer), latency does not count: it is the engine's
+    floor, which the replica that goes would not have lowered."""
     m = t.scale_down_margin
+    alone = s.ongoing <= fewer
     return (s.waiting < 1  # averaged over the look-back window: less than one request waiting
             and s.ongoing <= max_ongoing
             and s.kv_cache_usage <= m * t.max_kv_usage
-            and (not _uses_ttft(t.role) or (_drain_s(s, current) <= m * t.ttft_p90_s
-                                             and s.ttft_p90_s <= LATENCY_CALM * t.ttft_p90_s))
-            and (not _uses_itl(t.role) or s.itl_p90_s <= LATENCY_CALM * t.itl_p90_s))
+            and (not _uses_ttft(t.role) or (_drain_s(s, current) <= m * t.ttft_p90_s and (
+                alone or s.ttft_p90_s <= LATENCY_CALM * t.ttft_p90_s)))
+            and (not _uses_itl(t.role) or alone or s.itl_p90_s <= LATENCY_CALM * t.itl_p90_s))
 
 
 def _down_to(s: PoolSignals, t: Targets, current: int, plan: Plan | None) -> int | None:
@@ -166,11 +172,12 @@ def _down_to(s: PoolSignals, t: Targets, current: int, plan: Plan | None) -> int
     """
     floor = max(1, t.min_replicas)
     if plan is None or t.capacity_rps <= 0:
-        calm = _calm(s, t, current, t.scale_down_margin * t.target_ongoing * (current - 1))
+        calm = _calm(s, t, current, current - 1,
+                     t.scale_down_margin * t.target_ongoing * (current - 1))
         return current - 1 if current > floor and calm else None
     fewer = max(floor, planned(plan.peak_rate * (1 + t.headroom), t),
                 math.ceil(s.ongoing / t.target_ongoing))
-    if fewer >= current or not _calm(s, t, current, t.target_ongoing * fewer):
+    if fewer >= current or not _calm(s, t, current, fewer, t.target_ongoing * fewer):
         return None
     return fewer
 

@@ -11,6 +11,7 @@ import httpx
 
 from orchestrator import deploy
 from orchestrator.config import Topology, pool_deployment_name
+from orchestrator.status import gateway_url
 
 
 def running(topology: Topology, pool: str) -> int:
@@ -27,12 +28,21 @@ def wait_for(topology: Topology, pool: str, replicas: int, bound_s: float,
     started = time.monotonic()
     while running(topology, pool) != replicas:
         elapsed = time.monotonic() - started
-        assert elapsed < bound_s, \
-            f"{pool} not at {replicas} replicas after {bound_s} s (now {running(topology, pool)})"
+        assert elapsed < bound_s, (f"{pool} not at {replicas} replicas after {bound_s} s "
+                                   f"(now {running(topology, pool)}): {_decisions(topology)}")
         for other, count in (watch or {}).items():
             assert running(topology, other) == count, f"{other} left {count} replicas"
         time.sleep(1)
     return time.monotonic() - started
+
+
+def _decisions(topology: Topology) -> str:
+    """The autoscaler's last decisions and the signals behind them, for a failure's message."""
+    try:
+        return httpx.get(f"{gateway_url(topology)}/tokenfab/autoscaler", trust_env=False,
+                         timeout=10).text[:2000]
+    except httpx.HTTPError as exc:
+        return f"(the autoscaler's decisions could not be read: {exc!r})"
 
 
 class Load:

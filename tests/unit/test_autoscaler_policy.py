@@ -162,6 +162,19 @@ def test_a_latency_floor_above_half_the_target_does_not_hold_the_pool_up() -> No
     assert d.calm_since is None and decide(slow, UNIFIED, 2, 30.0).replicas == 2
 
 
+def test_a_request_alone_gets_the_floor_latency_and_does_not_hold_the_pool_up() -> None:
+    """A trickle, one request at a time, whose TTFT alone is 1.9 s (target 2 s) on a slow
+    machine: one replica fewer still gives it an engine of its own, so the pool comes down.
+    With 1.5 requests ongoing, one replica would batch them: there the latency counts."""
+    trickle = sig(2, running=1, ttft_p90_s=1.9, itl_p90_s=0.19)
+    for targets in (PREFILL, DECODE, UNIFIED):
+        d = decide(trickle, targets, 2, now=0.0)
+        assert decide(trickle, targets, 2, now=30.0, calm_since=d.calm_since).replicas == 1
+    shared = sig(2, running=1.5, ttft_p90_s=1.9)
+    d = decide(shared, PREFILL, 2, now=0.0)
+    assert d.calm_since is None and decide(shared, PREFILL, 2, 30.0).replicas == 2
+
+
 def test_backlog_drained_keeps_the_pool_from_stepping_down() -> None:
     """A pool whose queue still takes more than half the TTFT target to drain is not calm."""
     busy = sig(2, running=1, queued_prompt_tokens=50_000, prefill_capacity_tokens_per_s=20_000)
