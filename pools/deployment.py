@@ -25,7 +25,8 @@ from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
 from pools.cores import CoreClaim, claim_cores
-from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
+from pools.engine import (Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace,
+                          openai_error, per_token_data)
 from pools.kv_event_ranks import rank_endpoint
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
 from pools.registry import REPORT_INTERVAL_S, RankReport, ReplicaReport, get_registry
@@ -187,9 +188,11 @@ class PoolReplica:
         meter = StreamMeter(keep_usage, resumed=None if resume is None else len(resume))
         tracked, streaming = request.track_tokens, False
         trace = TokenTrace(resume or ()) if tracked or resume is not None else None
-        # A tracked stream's token chunks wait here while their tokens wait for their text
-        # (TokenTrace): the client gets a token's chunk, its logprobs too, with the ids the
-        # gateway counts as the client's, so a continuation repeats none and loses none.
+        # A tracked stream whose chunks carry each token's logprobs or id: they wait here while
+        # their tokens wait for their text (TokenTrace), and reach the client with the ids the
+        # gateway counts as its own, so a continuation repeats none. (Other chunks of such
+        # tokens carry empty text, which a continuation may repeat harmlessly.)
+        holds = tracked and per_token_data(body)
         held: list[bytes] = []
         with self._counted_on(request.rank):
             async for item in self._engine.reply(request.endpoint, body, trace, request.rank):
@@ -200,7 +203,7 @@ class PoolReplica:
                     chunk, token = meter.feed(item)
                     if chunk and token and tracked:
                         held.append(chunk)
-                        if not trace.holding:
+                        if not (holds and trace.holding):
                             reply.tokens(b"".join(held), trace.take())
                             held.clear()
                     elif chunk:

@@ -88,6 +88,13 @@ class TokenTrace:
         return ids
 
 
+def per_token_data(body: dict[str, Any]) -> bool:
+    """Whether a request's stream carries data per token besides its text: logprobs (a
+    completion's `logprobs`, even 0; a chat's `logprobs: true`) or token ids."""
+    logprobs = body.get("logprobs")
+    return (logprobs is not None and logprobs is not False) or bool(body.get("return_token_ids"))
+
+
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",
                429: "RateLimitError", 503: "ServiceUnavailableError", 504: "GatewayTimeout"}

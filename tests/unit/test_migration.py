@@ -14,7 +14,7 @@ from vllm import SamplingParams
 
 from channel.frames import Request, Usage
 from orchestrator.gateway.migration import continuation_body, not_resumable
-from pools.engine import ReplyHead, TokenTrace
+from pools.engine import ReplyHead, TokenTrace, per_token_data
 from pools.usage import StreamMeter
 from pools.vllm_engine import _resumed, _traced
 from tokenfab.errors import EngineDeadError
@@ -195,7 +195,8 @@ class _Engine:
         yield b"data: [DONE]\n\n"
 
 
-def _serve(engine: _Engine) -> tuple[list, BaseException | None]:
+def _serve(engine: _Engine, body: bytes = b'{"prompt": [1], "stream": true, "logprobs": 0}'
+           ) -> tuple[list, BaseException | None]:
     from pools.deployment import PoolReplica
 
     class Bare(PoolReplica):  # no engine started, none to stop
@@ -205,8 +206,7 @@ def _serve(engine: _Engine) -> tuple[list, BaseException | None]:
     replica = Bare.__new__(Bare)
     replica._engine, replica._replica_id, replica._rank_in_flight = engine, "r1", []
     reply, error = _Recorder(), None
-    request = Request("completions", b'{"prompt": [1], "stream": true, "logprobs": 1}',
-                      track_tokens=True)
+    request = Request("completions", body, track_tokens=True)
     try:
         asyncio.run(replica.serve(request, reply))
     except EngineDeadError as exc:
@@ -231,3 +231,22 @@ def test_chunks_held_when_the_engine_dies_never_reach_the_client() -> None:
     sent, error = _serve(_Engine([(5, "a"), (6, ""), (7, "b")], fail_after=2))
     assert isinstance(error, EngineDeadError)
     assert sent == ["head", ("tokens", [5])]
+
+
+def test_chunks_without_data_per_token_are_not_held() -> None:
+    """Without logprobs or token ids, a part-character token's chunk carries empty text: it goes
+    out at once (a continuation may repeat it harmlessly), and its id with the completing one."""
+    steps = [(5, "a"), (6, ""), (7, "b")]
+    sent, _ = _serve(_Engine(steps), b'{"prompt": [1], "stream": true}')
+    assert sent == ["head", ("tokens", [5]), ("tokens", []), ("tokens", [6, 7]), "data", "end"]
+    sent, _ = _serve(_Engine(steps), b'{"prompt": [1], "stream": true, "return_token_ids": true}')
+    assert sent == ["head", ("tokens", [5]), ("tokens", [6, 7]), "data", "end"]
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({}, False), ({"logprobs": None}, False), ({"logprobs": False}, False),
+    ({"logprobs": 0}, True), ({"logprobs": True, "top_logprobs": 2}, True),
+    ({"return_token_ids": True}, True), ({"return_token_ids": False}, False),
+])
+def test_per_token_data(body: dict, expected: bool) -> None:
+    assert per_token_data(body) is expected
