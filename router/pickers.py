@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import random
 from collections.abc import Sequence
 
 from router.plugins import Candidate
+
+_REPLICA = operator.attrgetter("replica")
 
 
 class MaxScorePicker:
@@ -47,7 +50,7 @@ class RoundRobinPicker:
     def rank(self, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
         if not candidates:
             return []
-        ordered = sorted(candidates, key=lambda c: c.replica)
+        ordered = sorted(candidates, key=_REPLICA)
         start = next(self._turn) % len(ordered)
         return ordered[start:] + ordered[:start]
 

@@ -58,6 +58,11 @@ class Policy:
         return bool(_PREFIX_SCORERS & set(self.weights))
 
     @property
+    def reads_candidates(self) -> bool:
+        """Whether a filter or scorer reads the candidates' snapshots (else only their ids)."""
+        return bool(self.filters or self.weights)
+
+    @property
     def reads_block_map(self) -> bool:
         """Whether ranking reads the KV block map (else no engine events are followed)."""
         return bool(_MAP_SCORERS & set(self.weights))
