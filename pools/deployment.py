@@ -202,10 +202,14 @@ class PoolReplica:
                 elif streaming:
                     chunk, token = meter.feed(item)
                     if chunk and token and tracked:
-                        held.append(chunk)
-                        if not (holds and trace.holding):
+                        if holds and trace.holding:
+                            held.append(chunk)
+                        elif held:
+                            held.append(chunk)
                             reply.tokens(b"".join(held), trace.take())
                             held.clear()
+                        else:  # the common case: nothing waits, no copy
+                            reply.tokens(chunk, trace.take())
                     elif chunk:
                         if held:  # nothing overtakes the held chunks
                             reply.tokens(b"".join(held), trace.rest())

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.soak import Stream, divergence, greedy, kill_engine, soak, stream
+from benchmarks.soak import kill_engine, soak
+from benchmarks.streams import Stream, divergence, greedy, stream
 from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.conftest import ROOT, up
