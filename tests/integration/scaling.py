@@ -36,6 +36,20 @@ def wait_for(topology: Topology, pool: str, replicas: int, bound_s: float,
     return time.monotonic() - started
 
 
+def wait_served(topology: Topology, pool: str, replicas: int, bound_s: float = 60) -> float:
+    """Seconds until `replicas` ready replicas of `pool` have each served prompt tokens (its
+    engine's own count, as the registry reports it); fails past `bound_s`."""
+    started, root = time.monotonic(), gateway_url(topology)
+    while True:
+        ready = [r for r in httpx.get(f"{root}/tokenfab/replicas", trust_env=False,
+                                      timeout=10).json()
+                 if r["pool"] == pool and r["state"] == "ready"]
+        if sum(r["engine_prompt_tokens"] > 0 for r in ready) >= replicas:
+            return time.monotonic() - started
+        assert time.monotonic() - started < bound_s, f"{pool}: a replica served nothing: {ready}"
+        time.sleep(0.5)
+
+
 def _decisions(topology: Topology) -> str:
     """The autoscaler's last decisions and the signals behind them, for a failure's message."""
     try:
@@ -68,6 +82,13 @@ class Load:
                     self.statuses.append(response.status_code)
                 except httpx.HTTPError:
                     self.statuses.append(0)
+
+    def answered_more(self, count: int, bound_s: float = 60) -> None:
+        """Wait until `count` more requests than now have been answered."""
+        wanted, deadline = len(self.statuses) + count, time.monotonic() + bound_s
+        while len(self.statuses) < wanted:
+            assert time.monotonic() < deadline, f"{len(self.statuses)} answered, want {wanted}"
+            time.sleep(0.1)
 
     def __enter__(self) -> Load:
         for thread in self._threads:

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.conftest import ROOT, TOKENFAB, up
-from tests.integration.scaling import Load, running, wait_for
+from tests.integration.scaling import Load, running, wait_for, wait_served
 from tests.promql import scrape
 
 TOPOLOGY = ROOT / "tests/integration/topology-autoscale.yaml"
@@ -31,13 +31,13 @@ def test_scales_up_under_load_and_down_after_without_failures(scaled: Topology) 
     assert running(scaled, "main") == 1
     with Load(root, clients=8, max_tokens=64) as heavy:
         up_s = wait_for(scaled, "main", 2, SCALE_UP_BOUND_S)
-        time.sleep(3)  # traffic reaches the new replica
+        wait_served(scaled, "main", 2)  # traffic reaches the new replica
     assert heavy.statuses and set(heavy.statuses) == {200}, heavy.statuses
     decision = httpx.get(f"{root}/tokenfab/autoscaler", trust_env=False).json()
     assert decision and decision[0]["pool"] == "main"
     with Load(root, clients=1, max_tokens=8) as trickle:  # calm, but never idle
         down_s = wait_for(scaled, "main", 1, SCALE_DOWN_BOUND_S)
-        time.sleep(2)
+        trickle.answered_more(2)  # and after the scale-down
     assert trickle.statuses and set(trickle.statuses) == {200}, trickle.statuses
     (record,) = httpx.get(f"{root}/tokenfab/autoscaler", trust_env=False).json()
     assert (record["current"], record["desired"]) in ((1, 1), (2, 1))

@@ -6,7 +6,6 @@ comes back to one after its load, and no request fails throughout."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.cases import _words
 from tests.integration.conftest import ROOT, up
-from tests.integration.scaling import Load, running, wait_for
+from tests.integration.scaling import Load, running, wait_for, wait_served
 
 TOPOLOGY = ROOT / "tests/integration/topology-pd-autoscale.yaml"
 SCALE_UP_BOUND_S = 150  # a decision within seconds, then an engine start on 2 busy cores
@@ -59,7 +58,7 @@ def _up_then_down(pd: Topology, pool: str, other: str, others_change: str,
     root = gateway_url(pd)
     with Load(root, clients=clients, max_tokens=max_tokens, prompt=prompt) as heavy:
         up_s = wait_for(pd, pool, 2, SCALE_UP_BOUND_S, watch={other: 1})
-        time.sleep(3)  # traffic reaches the new replica
+        wait_served(pd, pool, 2)  # traffic reaches the new replica
     decisions = _decisions(root)
     reason = decisions[pool]["last_change"]
     assert reason.startswith("1 -> 2: ")

@@ -135,6 +135,38 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
     assert after["prompt"] - before["prompt"] == sum(s.usage["prompt_tokens"] for s in reference)
 
 
+def test_the_registry_outlives_its_creator_and_ends_once_idle(migrating: Topology) -> None:
+    """The replica registry is detached: the process that created it may die (a replica Serve
+    replaces) and every other replica's reports stay; nobody reporting for `idle_exit_s`, it
+    ends. (It runs while Serve replaces the replica the test before killed, before the soak.)"""
+    import ray
+
+    from pools.registry import NAMESPACE
+
+    address, name = migrating.cluster.address, "registry-idle-test"
+    create = (f"import ray; from pools.registry import NAMESPACE, ReplicaRegistry; "
+              f"ray.init(address='{address}', log_to_driver=False, logging_level='ERROR', "
+              f"_node_ip_address='127.0.0.1'); r = ReplicaRegistry.options(name='{name}', "
+              f"namespace=NAMESPACE, lifetime='detached').remote(idle_exit_s=5); "
+              f"ray.get(r.snapshot.remote())")
+    subprocess.run([sys.executable, "-c", create], check=True, cwd=ROOT, timeout=120)
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR",
+             _node_ip_address="127.0.0.1")
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)  # its creator has exited
+        assert ray.get(handle.snapshot.remote()) == []
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break  # gone
+            assert time.monotonic() < deadline, "the idle registry did not end"
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
+
+
 def test_short_soak_kills_engines_under_load_and_loses_nothing(migrating: Topology) -> None:
     """benchmarks/soak.py for 190 s: an engine killed at 65 s, and another at 130 s or once the
     replica killed first is back (its replacement took over 90 s from the kill here, the engine
@@ -170,35 +202,3 @@ def _serve_events(limit: int = 60) -> str:
                     stamped[1] != "INFO" or "eplica" in line or "died" in line):
                 events.append((stamped[2], line[:300]))
     return "\nserve logs:\n" + "\n".join(line for _, line in sorted(events)[-limit:])
-
-
-def test_the_registry_outlives_its_creator_and_ends_once_idle(migrating: Topology) -> None:
-    """The replica registry is detached: the process that created it may die (a replica Serve
-    replaces) and every other replica's reports stay; nobody reporting for `idle_exit_s`, it
-    ends."""
-    import ray
-
-    from pools.registry import NAMESPACE
-
-    address, name = migrating.cluster.address, "registry-idle-test"
-    create = (f"import ray; from pools.registry import NAMESPACE, ReplicaRegistry; "
-              f"ray.init(address='{address}', log_to_driver=False, logging_level='ERROR', "
-              f"_node_ip_address='127.0.0.1'); r = ReplicaRegistry.options(name='{name}', "
-              f"namespace=NAMESPACE, lifetime='detached').remote(idle_exit_s=5); "
-              f"ray.get(r.snapshot.remote())")
-    subprocess.run([sys.executable, "-c", create], check=True, cwd=ROOT, timeout=120)
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR",
-             _node_ip_address="127.0.0.1")
-    try:
-        handle = ray.get_actor(name, namespace=NAMESPACE)  # its creator has exited
-        assert ray.get(handle.snapshot.remote()) == []
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                break  # gone
-            assert time.monotonic() < deadline, "the idle registry did not end"
-            time.sleep(0.5)
-    finally:
-        ray.shutdown()
