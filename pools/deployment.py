@@ -265,6 +265,13 @@ class PoolReplica:
         """
         if self._state != "ready":
             return
+        if self._engine.dead and not self._in_flight:
+            # It will never answer again. Serve replaces a replica whose check fails only after
+            # 3 failures in a row (10-15 s at our period), but one whose process is gone at
+            # once: end it, once the requests it held have had their errors.
+            logger.error("replica %s: its engine died; ending the replica so that Serve "
+                         "replaces it now", self._replica_id)
+            _end_process()
         await self._engine.check_health()
         if self._side_channel is not None:
             await _check_listening(self._side_channel)
@@ -349,3 +356,10 @@ class PoolReplica:
         if self._in_flight:
             logger.warning("replica %s stopped with %d requests still running (drain timeout)",
                            self._replica_id, self._in_flight)
+
+
+def _end_process() -> None:
+    """End this replica's process now: Serve sees its actor die (engine_watchdog ends the dead
+    engine's leftover processes; the claimed cores are freed with the process)."""
+    logging.shutdown()
+    os._exit(1)
