@@ -478,7 +478,7 @@ def test_a_dead_engine_costs_no_request(deployment: Deployment, http: httpx.Clie
     """SIGKILL one replica's EngineCore: requests the router sends there (its cache holds their
     prefix) fail on it before any byte reached the client, and the gateway sends them to the
     other replica (gateway.retries): every one is answered, whole, streamed or not. Serve then
-    replaces the broken replica (its health check fails)."""
+    replaces the broken replica (it ends its process at its next health check)."""
     import signal
 
     prefix = _long_prompt("dead", 300)
