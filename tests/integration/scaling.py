@@ -44,10 +44,16 @@ def wait_served(topology: Topology, pool: str, replicas: int, bound_s: float = 6
         ready = [r for r in httpx.get(f"{root}/tokenfab/replicas", trust_env=False,
                                       timeout=10).json()
                  if r["pool"] == pool and r["state"] == "ready"]
-        if sum(r["engine_prompt_tokens"] > 0 for r in ready) >= replicas:
+        if sum(_prompt_tokens(r["load"]) > 0 for r in ready) >= replicas:
             return time.monotonic() - started
         assert time.monotonic() - started < bound_s, f"{pool}: a replica served nothing: {ready}"
         time.sleep(0.5)
+
+
+def _prompt_tokens(load: dict[str, Any]) -> int:
+    """Prompt tokens a replica's engine saw: computed, from its prefix cache, or transferred."""
+    return sum(load[k] for k in ("prompt_tokens_computed", "prompt_tokens_local_hit",
+                                 "prompt_tokens_transferred"))
 
 
 def _decisions(topology: Topology) -> str:
