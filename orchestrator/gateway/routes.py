@@ -33,6 +33,10 @@ from router.wire import RouteKey
 
 # Under Serve's logger, so lines land in the replica's log with Serve's own.
 logger = logging.getLogger("ray.serve").getChild("tokenfab.access")
+# An access line goes where Serve's own access lines go: the replica's log file only (not also
+# stderr, which Ray's log monitor tails and publishes line by line), and not at all under
+# Serve's `enable_access_log: false`.
+ACCESS_LINE = {"log_to_stderr": False, "serve_access_log": True}
 
 OPENAI = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -218,4 +222,5 @@ class Routes:
                     "replica=%s prompt_tokens=%s completion_tokens=%s cached_tokens=%s",
                     request_id, tenant, endpoint, status, 1000 * elapsed, 1000 * queued_s,
                     call.replica if call else "-", usage.prompt_tokens if usage else "-",
-                    usage.completion_tokens if usage else "-", usage.cached_tokens if usage else "-")
+                    usage.completion_tokens if usage else "-", usage.cached_tokens if usage else "-",
+                    extra=ACCESS_LINE)

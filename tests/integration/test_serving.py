@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -148,6 +149,29 @@ def test_server_keeps_serving_after_bad_input(http: httpx.Client) -> None:
     response = http.post("/completions", json={"model": MODEL, "prompt": "still alive", "max_tokens": 4})
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_access_lines_go_to_the_replica_log_not_stderr(deployment: Deployment,
+                                                       http: httpx.Client) -> None:
+    """As Serve's own access lines: in the gateway replica's log file, not also on the worker's
+    stderr, which Ray's log monitor tails and republishes line by line."""
+    request_id = f"access-{uuid.uuid4().hex}"
+    response = http.post("/completions", headers={"x-request-id": request_id},
+                         json={"model": MODEL, "prompt": "logged once", "max_tokens": 1})
+    assert response.status_code == 200
+    logs = Path("/tmp/ray/session_latest/logs")
+    replica_logs = list((logs / "serve").glob(f"replica_{deployment.topology.name}_gateway_*.log"))
+    assert replica_logs
+
+    def logged() -> bool:
+        return any(request_id in path.read_text(errors="replace") for path in replica_logs)
+    deadline = time.monotonic() + 30
+    while not logged():
+        assert time.monotonic() < deadline, f"no access line for {request_id} in {replica_logs}"
+        time.sleep(0.2)
+    on_stderr = [path.name for path in logs.glob("worker-*")
+                 if request_id in path.read_text(errors="replace")]
+    assert on_stderr == []
 
 
 async def _concurrent_replicas(base_url: str, count: int, max_tokens: int) -> list[httpx.Response]:
