@@ -14,6 +14,13 @@ between. Added latency = percentile of a front's latencies minus the same percen
 baseline's, requests sent one at a time. Max requests/s: 32 clients in a closed loop for
 `--seconds`, all through the front.
 
+All three (and the pool replica's data channel, called directly) run side by side and are
+measured in interleaved rounds, so that a machine whose speed drifts during the run (this one's
+moves by 2x within minutes) moves them all alike. Each round of a target starts with
+`WARM_S` of requests that are not counted: the engine served before it stops polling its
+queue (vLLM's worker spins for 1 s after its last message, on the same core) and this one
+wakes up.
+
     .venv/bin/python benchmarks/gateway.py [--requests 300] [--seconds 20]
 
 Writes benchmarks/results/gateway.json and gateway.md.
@@ -27,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +57,9 @@ BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature"
 KEY = "bench-key"
 ADMIN_KEY = "bench-admin-key"  # reads /tokenfab/replicas
 CLIENTS = 32
+ROUNDS = 5  # sequential requests: each target's count in this many interleaved rounds
+RPS_ROUNDS = 2  # max req/s: `--seconds` split into this many interleaved rounds per front
+WARM_S = 1.5  # uncounted requests at the start of every round (see the module's docstring)
 VLLM_PORT = 8124
 KV_CACHE_BYTES = 64 << 20
 # The core tokenfab's one replica claims (pools.cores takes the lowest free one): the baseline and
@@ -72,9 +83,10 @@ TOPOLOGY = {
 }
 
 
-def _sequential(front: Any, count: int) -> list[float]:
-    """Latencies (s) of `count` requests sent one at a time, after 20 warm-up requests."""
-    for _ in range(20):
+def _sequential(front: Any, count: int, warm_s: float = WARM_S) -> list[float]:
+    """Latencies (s) of `count` requests sent one at a time, after `warm_s` of uncounted ones."""
+    until = time.monotonic() + warm_s
+    while time.monotonic() < until:
         front()
     latencies = []
     for _ in range(count):
@@ -84,7 +96,7 @@ def _sequential(front: Any, count: int) -> list[float]:
     return latencies
 
 
-async def _max_rps(url: str, headers: dict[str, str], seconds: float) -> tuple[float, int]:
+async def _max_rps(url: str, headers: dict[str, str], seconds: float) -> tuple[int, float, int]:
     done = failed = 0
 
     async def client(http: httpx.AsyncClient, until: float) -> None:
@@ -101,7 +113,7 @@ async def _max_rps(url: str, headers: dict[str, str], seconds: float) -> tuple[f
         started = time.monotonic()
         await asyncio.gather(*(client(http, started + seconds) for _ in range(CLIENTS)))
         elapsed = time.monotonic() - started
-    return done / elapsed, failed
+    return done, elapsed, failed
 
 
 def _p(latencies: list[float], q: float) -> float:
@@ -125,129 +137,216 @@ def _record(target: str, fronts: list[float], baselines: list[float], rps: float
             "failed_in_load": failed}
 
 
-def tokenfab(count: int, seconds: float) -> tuple[list[float], float, int, list[float]]:
-    """The gateway's latencies and max req/s, and the pool replica's own latencies: the same
-    request sent on its data channel directly, as the gateway sends it (no HTTP, no gateway)."""
-    topology = parse_topology(TOPOLOGY, "gateway benchmark")
-    cluster.start_head(topology.cluster)
-    try:
-        root = deployed(topology)
-        headers = {"authorization": f"Bearer {KEY}"}
-        http = httpx.Client(trust_env=False, timeout=60)
+class Tokenfab:
+    """The deployment, its gateway as a front, and its pool replica's data channel called
+    directly, as the gateway calls it (no HTTP, no gateway)."""
 
-        def front() -> None:
-            response = http.post(f"{root}/v1/completions", json=BODY, headers=headers)
-            assert response.status_code == 200, response.text
+    def __init__(self) -> None:
+        self.topology = parse_topology(TOPOLOGY, "gateway benchmark")
+        cluster.start_head(self.topology.cluster)
+        self.root = deployed(self.topology)
+        self.url = f"{self.root}/v1/completions"
+        self.headers = {"authorization": f"Bearer {KEY}"}
+        self._http = httpx.Client(trust_env=False, timeout=60)
+        reports = self._http.get(f"{self.root}/tokenfab/replicas",
+                                 headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._link = self._call(self._connect(reports[0]))
 
-        fronts = _sequential(front, count)
-        reports = http.get(f"{root}/tokenfab/replicas",
-                           headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
-        replica = _channel_direct(topology, reports[0], count)
-        rps, failed = asyncio.run(_max_rps(f"{root}/v1/completions", headers, seconds))
-        remove(topology)
-    finally:
-        cluster.stop_ray(topology.cluster.dashboard_url)
-    return fronts, rps, failed, replica
+    def front(self) -> None:
+        response = self._http.post(self.url, json=BODY, headers=self.headers)
+        assert response.status_code == 200, response.text
 
+    def channel(self, count: int) -> list[float]:
+        return self._call(self._channel(count))
 
-def _channel_direct(topology: Any, report: dict[str, Any], count: int) -> list[float]:
-    import ray
+    def close(self) -> None:
+        try:
+            self._link.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            remove(self.topology)
+        finally:
+            cluster.stop_ray(self.topology.cluster.dashboard_url)
 
-    from channel.client import ReplicaLink
-    from channel.frames import Request
-    from channel.secret import channel_secret
+    def _call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    ray.init(address=topology.cluster.address, log_to_driver=False, logging_level="ERROR")
-    secret = channel_secret(topology.name)
-    ray.shutdown()
-    host, port = report["channel"].rsplit(":", 1)
-    request = Request("completions", json.dumps(BODY).encode())
+    async def _connect(self, report: dict[str, Any]) -> Any:
+        import ray
 
-    async def run() -> list[float]:
+        from channel.client import ReplicaLink
+        from channel.secret import channel_secret
+
+        ray.init(address=self.topology.cluster.address, log_to_driver=False,
+                 logging_level="ERROR")
+        secret = channel_secret(self.topology.name)
+        ray.shutdown()
+        host, port = report["channel"].rsplit(":", 1)
         link = ReplicaLink(report["replica_id"], host, int(port), secret, "benchmark")
         await link.connect()
-        latencies = []
-        for i in range(count + 20):
-            started = time.perf_counter()
-            stream = link.open(request)
+        return link
+
+    async def _channel(self, count: int) -> list[float]:
+        from channel.frames import Request
+
+        request = Request("completions", json.dumps(BODY).encode())
+
+        async def one() -> None:
+            stream = self._link.open(request)
             assert (await stream.head).status == 200
             await stream.end
-            if i >= 20:
-                latencies.append(time.perf_counter() - started)
-        link.close()
+
+        until = time.monotonic() + WARM_S
+        while time.monotonic() < until:
+            await one()
+        latencies = []
+        for _ in range(count):
+            started = time.perf_counter()
+            await one()
+            latencies.append(time.perf_counter() - started)
         return latencies
 
-    return asyncio.run(run())
 
+class VllmServer:
+    """vLLM's own OpenAI server before the same engine settings, on the same core."""
 
-def _vllm_server() -> subprocess.Popen:
-    env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": ENGINE_CORE, "VLLM_HOST_IP": "127.0.0.1"}
-    return subprocess.Popen([
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_PATH,
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(VLLM_PORT),
-        "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
-        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enable-prefix-caching",
-        "--disable-log-stats"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        start_new_session=True)
-
-
-def vllm(count: int, seconds: float) -> tuple[list[float], float, int, None]:
-    server, url = _vllm_server(), f"http://127.0.0.1:{VLLM_PORT}"
-    http = httpx.Client(trust_env=False, timeout=60)
-    try:
+    def __init__(self) -> None:
+        env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": ENGINE_CORE, "VLLM_HOST_IP": "127.0.0.1"}
+        self._server = subprocess.Popen([
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_PATH,
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(VLLM_PORT),
+            "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enable-prefix-caching",
+            "--disable-log-stats"], env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        self.url, self.headers = f"http://127.0.0.1:{VLLM_PORT}/v1/completions", {}
+        self._http = httpx.Client(trust_env=False, timeout=60)
         deadline = time.monotonic() + 600
         while True:
             try:
-                if http.get(f"{url}/health").status_code == 200:
+                if self._http.get(f"http://127.0.0.1:{VLLM_PORT}/health").status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            if time.monotonic() > deadline or server.poll() is not None:
+            if time.monotonic() > deadline or self._server.poll() is not None:
+                self.close()
                 raise RuntimeError("vLLM's API server did not start")
             time.sleep(2)
 
-        def front() -> None:
-            response = http.post(f"{url}/v1/completions", json=BODY)
-            assert response.status_code == 200, response.text
+    def front(self) -> None:
+        response = self._http.post(self.url, json=BODY)
+        assert response.status_code == 200, response.text
 
-        fronts = _sequential(front, count)
-        rps, failed = asyncio.run(_max_rps(f"{url}/v1/completions", {}, seconds))
-    finally:
-        server.terminate()
-        server.wait(60)
-    return fronts, rps, failed, None
+    def close(self) -> None:
+        self._server.terminate()
+        self._server.wait(60)
 
 
-def baseline(count: int) -> list[float]:
-    """The engine behind vLLM's OpenAI serving code, in-process, in a process of its own."""
-    result = subprocess.run([sys.executable, __file__, "--in-process-baseline", str(count)],
-                            capture_output=True, text=True, timeout=900,
-                            env=os.environ | {"VLLM_CPU_OMP_THREADS_BIND": ENGINE_CORE})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+class Baseline:
+    """The engine behind vLLM's OpenAI serving code, in-process, in a process of its own that
+    measures rounds on request (a line `count` on its stdin, latencies as JSON on its stdout)."""
+
+    def __init__(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, __file__, "--in-process-baseline"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env=os.environ | {"VLLM_CPU_OMP_THREADS_BIND": ENGINE_CORE})
+        line = self._reply()
+        assert line == "ready", line
+
+    def measure(self, count: int) -> list[float]:
+        self._process.stdin.write(f"{count}\n")
+        self._process.stdin.flush()
+        return json.loads(self._reply())
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.write("0\n")
+            self._process.stdin.flush()
+            self._process.wait(60)
+
+    def _reply(self) -> str:
+        while True:  # vLLM may print to stdout as well; ours are the lines it cannot print
+            line = self._process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the baseline process ended ({self._process.wait()})")
+            line = line.strip()
+            if line == "ready" or line.startswith("["):
+                return line
 
 
-def in_process_baseline(count: int) -> None:
-    """The engine behind vLLM's OpenAI serving code, called in-process (prints latencies)."""
+def in_process_baseline() -> None:
+    """Serve measurement rounds of the engine behind vLLM's OpenAI serving code, in-process."""
     from pools.engine import EngineSpec
     from pools.vllm_engine import VllmEngine
 
-    async def run() -> list[float]:
+    async def run() -> None:
         engine = VllmEngine(EngineSpec(
             model_path=MODEL_PATH, model_name="tiny", dtype="bfloat16", max_model_len=2048,
             kv_cache_bytes=KV_CACHE_BYTES, engine_args={"enforce_eager": True}))
         await engine.start()
-        latencies = []
-        for i in range(count + 20):
-            started = time.perf_counter()
+
+        async def one() -> None:
             async for _ in engine.reply("completions", dict(BODY)):
                 pass
-            if i >= 20:
-                latencies.append(time.perf_counter() - started)
-        engine.shutdown()
-        return latencies
 
-    print(json.dumps(asyncio.run(run())))
+        print("ready", flush=True)
+        while (count := int(await asyncio.to_thread(sys.stdin.readline) or 0)) > 0:
+            until = time.monotonic() + WARM_S
+            while time.monotonic() < until:
+                await one()
+            latencies = []
+            for _ in range(count):
+                started = time.perf_counter()
+                await one()
+                latencies.append(time.perf_counter() - started)
+            print(json.dumps(latencies), flush=True)
+        engine.shutdown()
+
+    asyncio.run(run())
+
+
+def measure(count: int, seconds: float) -> list[dict[str, Any]]:
+    """Start the three side by side, then measure them in interleaved rounds."""
+    started: list[Any] = []
+    try:
+        print("starting: the baseline engine, vLLM's server, tokenfab")
+        baseline = Baseline()
+        started.append(baseline)
+        vllm = VllmServer()
+        started.append(vllm)
+        tokenfab = Tokenfab()
+        started.append(tokenfab)
+        per_round = max(1, count // ROUNDS)
+        series: dict[str, list[float]] = {"baseline": [], "tokenfab": [], "channel": [],
+                                          "vllm": []}
+        steps = [("baseline", lambda: baseline.measure(per_round)),
+                 ("tokenfab", lambda: _sequential(tokenfab.front, per_round)),
+                 ("channel", lambda: tokenfab.channel(per_round)),
+                 ("vllm", lambda: _sequential(vllm.front, per_round))]
+        for i in range(ROUNDS):  # each round in another order: none always follows the same one
+            for name, step in steps[i % len(steps):] + steps[:i % len(steps)]:
+                series[name] += step()
+            print(f"round {i + 1} of {ROUNDS}: " + ", ".join(
+                f"{name} p50 {_p(values, 50):.2f} ms" for name, values in series.items()))
+        load = {"tokenfab": [0, 0.0, 0], "vllm": [0, 0.0, 0]}  # done, seconds, failed
+        for i in range(RPS_ROUNDS):
+            fronts = [("tokenfab", tokenfab), ("vllm", vllm)]
+            for name, front in fronts[::-1] if i % 2 else fronts:
+                _sequential(front.front, 0)  # warm only
+                done, elapsed, failed = asyncio.run(
+                    _max_rps(front.url, front.headers, seconds / RPS_ROUNDS))
+                load[name][0] += done
+                load[name][1] += elapsed
+                load[name][2] += failed
+    finally:
+        for part in reversed(started):
+            part.close()
+    return [_record(name, series[name], series["baseline"], load[name][0] / load[name][1],
+                    load[name][2], series["channel"] if name == "tokenfab" else None)
+            for name in ("tokenfab", "vllm")]
 
 
 def markdown(records: list[dict[str, Any]], count: int, seconds: float) -> str:
@@ -258,9 +357,12 @@ def markdown(records: list[dict[str, Any]], count: int, seconds: float) -> str:
         "percentile minus the baseline's, the same baseline for both fronts (the engine behind "
         "vLLM's OpenAI serving code, in-process, no HTTP), from requests sent one at a time; max "
         f"req/s from {CLIENTS} closed-loop clients. tokenfab's path includes API-key auth, tenant "
-        "limits, the fair queue and the routing key. The client runs in a scheduling group of "
-        "its own at nice -10 and each front in a session of its own (`prioritise_client` in "
-        "machine.py).", "",
+        "limits, the fair queue and the routing key. The baseline, both fronts and the pool "
+        "replica's data channel run side by side and are measured in "
+        f"{ROUNDS} interleaved rounds (max req/s: {RPS_ROUNDS}), each round after "
+        f"{WARM_S:g} s of uncounted requests, so that drift in the machine's speed moves all "
+        "alike. The client runs in a scheduling group of its own at nice -10 and each front in "
+        "a session of its own (`prioritise_client` in machine.py).", "",
         "| target | added p50 (ms) | added p99 (ms) | max req/s | front p50 / p99 (ms) | "
         "baseline p50 / p99 (ms) | failed under load |",
         "|---|---|---|---|---|---|---|",
@@ -288,21 +390,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--in-process-baseline", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--in-process-baseline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.in_process_baseline:
-        in_process_baseline(args.in_process_baseline)
+        in_process_baseline()
         return
     scheduling = prioritise_client(-10)  # as h2h.py: the stacks do not starve the client
     print(f"scheduling: {scheduling}")
-    print("baseline: the engine in-process")
-    baselines = baseline(args.requests)
-    records = []
-    for name, run in (("tokenfab", tokenfab), ("vllm", vllm)):
-        print(f"{name}: measuring")
-        fronts, rps, failed, replica = run(args.requests, args.seconds)
-        records.append(_record(name, fronts, baselines, rps, failed, replica))
-        print(json.dumps(records[-1]))
+    records = measure(args.requests, args.seconds)
+    for record in records:
+        print(json.dumps(record))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gateway.json").write_text(json.dumps({"records": records}, indent=2))
     (RESULTS / "gateway.md").write_text(markdown(records, args.requests, args.seconds))
