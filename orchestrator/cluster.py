@@ -82,6 +82,8 @@ def start_head(cluster: ClusterSpec, timeout_s: float = 120.0) -> None:
         command.append(f"--num-cpus={cluster.num_cpus}")
     if cluster.metrics_export_port is not None:
         command.append(f"--metrics-export-port={cluster.metrics_export_port}")
+    if not cluster.log_monitor:
+        command.append("--include-log-monitor=False")
     # A session of its own: the terminal's Ctrl-C must reach `tokenfab up`, which then removes the
     # deployment in order, not the Ray daemons underneath it; and the session id is what proves
     # later which processes are this head's.

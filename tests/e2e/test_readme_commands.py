@@ -63,6 +63,9 @@ def test_main_job_serves_until_ctrl_c(pytestconfig) -> None:
                           if " ".join(p.info["cmdline"] or ()).startswith("ray::ServeController"))
         # local.yaml's cluster.serve_control_loop_s reached Serve's controller through `ray start`
         assert controller.environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == "0.5"
+        # nor Ray's log monitor (cluster.log_monitor is off): it would poll every log file 10x/s
+        assert not [p for p in psutil.process_iter(["cmdline"])
+                    if any(arg.endswith("log_monitor.py") for arg in p.info["cmdline"] or ())]
         os.killpg(process.pid, signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     finally:

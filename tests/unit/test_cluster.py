@@ -50,3 +50,25 @@ def test_ray_env_carries_the_serve_control_loop_period_only_when_set() -> None:
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # a loopback head stays on lo
     with pytest.raises(ValueError, match="serve_control_loop_s"):
         ClusterSpec(serve_control_loop_s=0)
+
+
+@pytest.mark.parametrize("log_monitor", [False, True])
+def test_a_head_starts_ray_s_log_monitor_only_when_asked(monkeypatch, log_monitor: bool) -> None:
+    from orchestrator.config import ClusterSpec
+
+    started: list[list[str]] = []
+
+    class Refused:  # `ray start` as if it failed: start_head stops there
+        returncode = 1
+
+        def __init__(self, command: list[str], **_: object) -> None:
+            started.append(command)
+
+        def communicate(self) -> tuple[str, str]:
+            return "", "refused"
+
+    monkeypatch.setattr(cluster.subprocess, "Popen", Refused)
+    with pytest.raises(ClusterError, match="refused"):
+        cluster.start_head(ClusterSpec(log_monitor=log_monitor))
+    assert ("--include-log-monitor=False" in started[0]) is not log_monitor
+    assert "--head" in started[0]
