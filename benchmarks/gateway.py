@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,15 +84,28 @@ TOPOLOGY = {
 }
 
 
-def _sequential(front: Any, count: int, warm_s: float = WARM_S) -> list[float]:
-    """Latencies (s) of `count` requests sent one at a time, after `warm_s` of uncounted ones."""
-    until = time.monotonic() + warm_s
+def _sequential(front: Callable[[], None], count: int) -> list[float]:
+    """Latencies (s) of `count` requests sent one at a time, after `WARM_S` of uncounted ones."""
+    until = time.monotonic() + WARM_S
     while time.monotonic() < until:
         front()
     latencies = []
     for _ in range(count):
         started = time.perf_counter()
         front()
+        latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+async def _sequential_async(one: Callable[[], Awaitable[None]], count: int) -> list[float]:
+    """`_sequential` for a front that is a coroutine (the channel, the in-process engine)."""
+    until = time.monotonic() + WARM_S
+    while time.monotonic() < until:
+        await one()
+    latencies = []
+    for _ in range(count):
+        started = time.perf_counter()
+        await one()
         latencies.append(time.perf_counter() - started)
     return latencies
 
@@ -144,16 +158,17 @@ class Tokenfab:
     def __init__(self) -> None:
         self.topology = parse_topology(TOPOLOGY, "gateway benchmark")
         cluster.start_head(self.topology.cluster)
-        self.root = deployed(self.topology)
-        self.url = f"{self.root}/v1/completions"
-        self.headers = {"authorization": f"Bearer {KEY}"}
-        self._http = httpx.Client(trust_env=False, timeout=60)
-        reports = self._http.get(f"{self.root}/tokenfab/replicas",
-                                 headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self._link = self._call(self._connect(reports[0]))
+        try:
+            self.root = deployed(self.topology)
+            self.url = f"{self.root}/v1/completions"
+            self.headers = {"authorization": f"Bearer {KEY}"}
+            self._http = httpx.Client(trust_env=False, timeout=60)
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, daemon=True).start()
+            self._link = self._call(self._connect(self._replica_report()))
+        except BaseException:
+            cluster.stop_ray(self.topology.cluster.dashboard_url)
+            raise
 
     def front(self) -> None:
         response = self._http.post(self.url, json=BODY, headers=self.headers)
@@ -164,11 +179,24 @@ class Tokenfab:
 
     def close(self) -> None:
         try:
-            self._link.close()
+            self._loop.call_soon_threadsafe(self._link.close)  # the link lives on that loop
             self._loop.call_soon_threadsafe(self._loop.stop)
             remove(self.topology)
         finally:
             cluster.stop_ray(self.topology.cluster.dashboard_url)
+
+    def _replica_report(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The pool replica's registry report, once it carries its data channel's address
+        (a replica reports it a little after Serve calls it running)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reports = self._http.get(f"{self.root}/tokenfab/replicas",
+                                     headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
+            if reports and reports[0].get("channel"):
+                return reports[0]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no replica reported its channel: {reports}")
+            time.sleep(0.5)
 
     def _call(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
@@ -198,15 +226,7 @@ class Tokenfab:
             assert (await stream.head).status == 200
             await stream.end
 
-        until = time.monotonic() + WARM_S
-        while time.monotonic() < until:
-            await one()
-        latencies = []
-        for _ in range(count):
-            started = time.perf_counter()
-            await one()
-            latencies.append(time.perf_counter() - started)
-        return latencies
+        return await _sequential_async(one, count)
 
 
 class VllmServer:
@@ -294,15 +314,7 @@ def in_process_baseline() -> None:
 
         print("ready", flush=True)
         while (count := int(await asyncio.to_thread(sys.stdin.readline) or 0)) > 0:
-            until = time.monotonic() + WARM_S
-            while time.monotonic() < until:
-                await one()
-            latencies = []
-            for _ in range(count):
-                started = time.perf_counter()
-                await one()
-                latencies.append(time.perf_counter() - started)
-            print(json.dumps(latencies), flush=True)
+            print(json.dumps(await _sequential_async(one, count)), flush=True)
         engine.shutdown()
 
     asyncio.run(run())
