@@ -65,7 +65,10 @@ def _migrations(root: str) -> dict[str, float]:
 
 class EngineKiller(threading.Thread):
     """SIGKILLs the victim replica's EngineCore once its engine reports `running` or more
-    requests (the replicas' own load reports, read through the gateway). A thread of its own:
+    requests and has generated `running` tokens since the killer started (the replicas' own
+    load reports, read through the gateway): streams have begun there, so a kill cuts them
+    after their first bytes. Running requests alone may all still be prefilling; a kill then
+    only makes the gateway send them elsewhere, which is no migration. A thread of its own:
     the client's event loop, reading 32 streams on 2 shared cores, runs seconds behind the
     engines (a 3 s timer on it fired after 16 s, when most streams had ended)."""
 
@@ -79,10 +82,15 @@ class EngineKiller(threading.Thread):
         try:
             deadline = time.monotonic() + 60
             with httpx.Client(base_url=self.root, trust_env=False, timeout=10) as client:
-                while time.monotonic() < deadline:
-                    load = next(r["load"] for r in client.get("/tokenfab/replicas").json()
+                def victim_load() -> dict:
+                    return next(r["load"] for r in client.get("/tokenfab/replicas").json()
                                 if r["replica_id"] == self.victim)
-                    if load["running"] >= self.running:
+
+                generated = victim_load()["generation_tokens"]
+                while time.monotonic() < deadline:
+                    load = victim_load()
+                    if load["running"] >= self.running \
+                            and load["generation_tokens"] - generated >= self.running:
                         kill_engine(self.pid)
                         self.seen = load
                         return
@@ -129,7 +137,8 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
     # every stream whose first bytes came from the victim was cut there and continued
     on_victim = [s for s in streams if s.replica == victim]
     migrations = _migrations(root)
-    assert 1 <= migrations.get("resumed", 0) - migrated_before <= len(on_victim), migrations
+    assert 1 <= migrations.get("resumed", 0) - migrated_before <= len(on_victim), \
+        (migrations, killer.seen, len(on_victim))
     after = _tokens(root)
     assert after["completion"] - before["completion"] == MAX_TOKENS * STREAMS  # charged once
     assert after["prompt"] - before["prompt"] == sum(s.usage["prompt_tokens"] for s in reference)

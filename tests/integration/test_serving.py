@@ -10,6 +10,7 @@ import json
 import subprocess
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -428,12 +429,19 @@ def _by_root(rows: list[dict], seed: int, share: float = 0.06) -> list[dict]:
 
 
 def test_evicted_blocks_leave_the_map(deployment: Deployment, http: httpx.Client) -> None:
-    """128 MiB of float32 KV cache per replica holds 256 blocks: 40 new 1,800-token prompts
-    evict an earlier prefix; the map, fed by BlockRemoved events, stops claiming it, and the engine
-    agrees (no cached tokens when it comes back)."""
+    """New 1,800-token prompts, twice the holder's KV capacity of them placed there (128 MiB of
+    float32 KV holds 32,768 tokens of the tiny model), evict an earlier prefix; the map, fed by
+    BlockRemoved events, stops claiming it, and the engine agrees (no cached tokens when it comes
+    back). The router places the flood, so rounds of 40 go until enough of it reached the holder:
+    one round, split evenly, puts about 1.1x the capacity on each replica, so an uneven split
+    could leave the prefix in place."""
     prefix = _long_prompt("evictme", 320)
     first = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1})
     holder = first.headers["x-tokenfab-replica"]
+    report = next(r for r in httpx.get(deployment.base_url.removesuffix("/v1")
+                                       + "/tokenfab/replicas", trust_env=False).json()
+                  if r["replica_id"] == holder)
+    enough = 2 * report["kv_blocks"] * report["block_size"]  # prompt tokens placed on the holder
 
     def holder_cached() -> int:
         explained = _gateway(deployment, "/tokenfab/route/completions",
@@ -442,16 +450,29 @@ def test_evicted_blocks_leave_the_map(deployment: Deployment, http: httpx.Client
 
     _wait(lambda: holder_cached() > 0, 10, "the prefix in the map")
 
-    async def flood() -> list[int]:
+    async def flood(round_: int) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=deployment.base_url, timeout=300,
                                      trust_env=False) as client:
-            replies = await asyncio.gather(*[client.post("/completions", json={
-                "model": MODEL, "prompt": _long_prompt(f"flood{i}x", 300), "max_tokens": 1})
-                for i in range(40)])
-        return [r.status_code for r in replies]
+            return await asyncio.gather(*[client.post("/completions", json={
+                "model": MODEL, "prompt": _long_prompt(f"flood{i}{'xyzw'[round_]}", 300),
+                "max_tokens": 1}) for i in range(40)])
 
-    assert asyncio.run(flood()) == [200] * 40
-    _wait(lambda: holder_cached() == 0, 10, "BlockRemoved events to clear the prefix")
+    served: list[dict[str, int]] = []  # each round's requests per replica
+    on_holder = 0
+    for round_ in range(4):
+        replies = asyncio.run(flood(round_))
+        assert [r.status_code for r in replies] == [200] * 40
+        served.append(dict(Counter(r.headers["x-tokenfab-replica"] for r in replies)))
+        on_holder += sum(r.json()["usage"]["prompt_tokens"] for r in replies
+                         if r.headers["x-tokenfab-replica"] == holder)
+        if on_holder >= enough:
+            break
+    assert on_holder >= enough, f"the router placed too little of the flood on {holder}: {served}"
+    flooded = time.monotonic()
+    _wait(lambda: holder_cached() == 0, 10, f"BlockRemoved events to clear the prefix (the "
+          f"flood's replicas {served}, the prefix's {holder})")
+    print(f"prefix on {holder} cleared {time.monotonic() - flooded:.1f} s after the flood; "
+          f"{served}")
     again = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1})
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
