@@ -90,7 +90,12 @@ def divergence(got: Stream, want: Stream, tolerance: float = NEAR_TIE) -> str | 
                 return None
             return (f"token {i}: {mine}, want {theirs}, not a near-tie "
                     f"(logprob gaps {gap[0]:.3g} there, {gap[1]:.3g} here)")
-    return None if got.text == want.text else f"text {got.text[:80]!r}, want {want.text[:80]!r}"
+    if got.text == want.text:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(got.text, want.text)) if a != b),
+              min(len(got.text), len(want.text)))
+    return (f"text differs at character {at} of {len(got.text)} (want {len(want.text)}): "
+            f"{got.text[max(0, at - 30):at + 50]!r}, want {want.text[max(0, at - 30):at + 50]!r}")
 
 
 def _token_id(token: str) -> int:
@@ -98,9 +103,12 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
-async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]) -> Stream:
-    """Send one streamed request and read it to its end."""
-    out = Stream(endpoint, sent=time.monotonic())
+async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any],
+                 out: Stream | None = None) -> Stream:
+    """Send one streamed request and read it to its end, into `out` when given (another thread
+    may watch it fill)."""
+    out = out or Stream(endpoint)
+    out.sent = time.monotonic()
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     try:
         async with client.stream("POST", path, json=body) as response:

@@ -64,49 +64,44 @@ def _migrations(root: str) -> dict[str, float]:
 
 
 class EngineKiller(threading.Thread):
-    """SIGKILLs the victim replica's EngineCore once its engine reports `running` or more
-    requests and has generated `running` tokens since the killer started (the replicas' own
-    load reports, read through the gateway): streams have begun there, so a kill cuts them
-    after their first bytes. Running requests alone may all still be prefilling; a kill then
-    only makes the gateway send them elsewhere, which is no migration. A thread of its own:
-    the client's event loop, reading 32 streams on 2 shared cores, runs seconds behind the
-    engines (a 3 s timer on it fired after 16 s, when most streams had ended)."""
+    """SIGKILLs the victim replica's EngineCore once `started` of the streams being read have
+    their first tokens from it: a cut after the client has bytes is what a continuation
+    carries on. Nothing on the server side tells that: the engine's running requests and
+    generated tokens run seconds ahead of what its replica relays on 2 busy cores (a kill on
+    them cut streams before their first byte, which the gateway only sends elsewhere). A thread
+    of its own, watching the streams as the client's event loop fills them: a timer on that
+    loop, seconds behind with 32 streams on 2 shared cores, fired after most streams ended."""
 
-    def __init__(self, root: str, pid: int, victim: str, running: int) -> None:
+    def __init__(self, pid: int, victim: str, streams: list[Stream], started: int) -> None:
         super().__init__(daemon=True)
-        self.root, self.pid, self.victim, self.running = root, pid, victim, running
-        self.seen: dict | None = None  # the victim's load when it was killed
+        self.pid, self.victim, self.streams, self.started = pid, victim, streams, started
+        self.seen: int | None = None  # the victim's streams with tokens when it was killed
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             deadline = time.monotonic() + 60
-            with httpx.Client(base_url=self.root, trust_env=False, timeout=10) as client:
-                def victim_load() -> dict:
-                    return next(r["load"] for r in client.get("/tokenfab/replicas").json()
-                                if r["replica_id"] == self.victim)
-
-                generated = victim_load()["generation_tokens"]
-                while time.monotonic() < deadline:
-                    load = victim_load()
-                    if load["running"] >= self.running \
-                            and load["generation_tokens"] - generated >= self.running:
-                        kill_engine(self.pid)
-                        self.seen = load
-                        return
-                    time.sleep(0.1)
+            while time.monotonic() < deadline:
+                begun = sum(1 for s in self.streams if s.replica == self.victim and s.tokens)
+                if begun >= self.started:
+                    kill_engine(self.pid)
+                    self.seen = begun
+                    return
+                time.sleep(0.05)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
 
 async def _all(root: str, requests: list[tuple[str, dict]],
                killer: EngineKiller | None = None) -> list[Stream]:
-    """Run every request at once; with a `killer`, started once they were sent."""
+    """Run every request at once; with a `killer`, into its streams, started once they were
+    sent."""
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    outs = killer.streams if killer is not None else [Stream(endpoint) for endpoint, _ in requests]
     async with httpx.AsyncClient(base_url=root, timeout=300, trust_env=False,
                                  limits=limits) as client:
-        tasks = [asyncio.create_task(stream(client, endpoint, body))
-                 for endpoint, body in requests]
+        tasks = [asyncio.create_task(stream(client, endpoint, body, out))
+                 for (endpoint, body), out in zip(requests, outs, strict=True)]
         if killer is not None:
             killer.start()
         return list(await asyncio.gather(*tasks))
@@ -125,7 +120,8 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
     victim = Counter(s.replica for s in reference).most_common(1)[0][0]  # where prefixes are
     pid = next(r["pid"] for r in httpx.get(f"{root}/tokenfab/replicas", trust_env=False).json()
                if r["replica_id"] == victim)
-    killer = EngineKiller(root, pid, victim, running=STREAMS // 4)
+    killer = EngineKiller(pid, victim, [Stream(endpoint) for endpoint, _ in requests],
+                          started=STREAMS // 8)
     streams = asyncio.run(_all(root, requests, killer))
     killer.join()
     assert killer.error is None and killer.seen is not None, killer.error  # killed mid-stream
