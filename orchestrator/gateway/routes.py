@@ -1,8 +1,9 @@
 """The OpenAI routes, and the dispatch of every path to its route.
 
 A completions or chat request goes: API key -> body (size, JSON, model) -> the tenant's shape
-(cache salt, default output length) -> tokens and route keys (one thread hop, only when limits
-or the policy read them) -> admission (limits, fair queue) -> the topology's flow. This module
+(cache salt, default output length) -> tokens and route keys (only when limits or the policy
+read them; a thread hop for long prompts) -> admission (limits, fair queue) -> a counted
+completions prompt replaced by its token ids (engine_body) -> the topology's flow. This module
 owns the admission ticket: it is settled once, with the usage the flow returns, however the
 request ends.
 """
@@ -72,6 +73,40 @@ def _single(prompts: list[list[int]] | None) -> list[int] | None:
     return prompts[0] if prompts is not None and len(prompts) == 1 else None
 
 
+# Engine arguments under which vLLM's tokenizer may not be the one the gateway loads (the model
+# path's, with its defaults): prompts then go to the engine as the client sent them.
+_ENGINE_TOKENIZER_ARGS = frozenset({"tokenizer", "tokenizer_mode", "tokenizer_revision",
+                                    "revision", "skip_tokenizer_init"})
+
+
+def gateway_tokenizer_is_engines(topology: Topology) -> bool:
+    """Whether every pool's engine tokenises prompts as the gateway does: no engine argument
+    names another tokenizer or another way of loading it (_ENGINE_TOKENIZER_ARGS)."""
+    return not any(_ENGINE_TOKENIZER_ARGS & (topology.engine_args | pool.engine_args).keys()
+                   for pool in topology.pools)
+
+
+def engine_body(endpoint: str, body: dict[str, Any], prompts: list[list[int]] | None
+                ) -> dict[str, Any]:
+    """The body the engine is sent: a completions prompt the gateway already tokenised goes as
+    its token ids, so the replica does not tokenise it again (vLLM does that on a thread pool:
+    the same work a second time, and a hop to a thread and back per request). Only for one text
+    prompt, and not where an option makes vLLM read the text (`echo`) or tokenise it otherwise
+    than the gateway did (`add_special_tokens: false`, `truncate_prompt_tokens`). A prompt that
+    tokenises to nothing stays text, so that vLLM answers it with its own error for an empty
+    prompt rather than the one for an empty list.
+
+    Example: ("completions", {"prompt": "Hi"}, [[1, 6324]]) -> {"prompt": [1, 6324]};
+    with "echo": true, or for a chat, the body as it was.
+    """
+    if endpoint != "completions" or prompts is None or len(prompts) != 1 or not prompts[0] \
+            or not isinstance(body.get("prompt"), str) or body.get("echo") \
+            or body.get("add_special_tokens", True) is not True \
+            or body.get("truncate_prompt_tokens") is not None:
+        return body
+    return body | {"prompt": prompts[0]}
+
+
 def _client_salt(body: dict[str, Any]) -> str | None:
     """The (shaped) body's cache salt, which routing hashes blocks with."""
     salt = body.get("cache_salt")
@@ -88,6 +123,7 @@ class Routes:
         self._prefix = topology.gateway.route_prefix.rstrip("/")
         self._timeout_s = topology.gateway.request_timeout_s
         self._needs_tokens = admission.needs_tokens or flow.needs_tokens
+        self._send_token_ids = gateway_tokenizer_is_engines(topology)
         self._created = int(time.time())
         self.in_flight = 0  # completions and chats being answered
 
@@ -125,6 +161,8 @@ class Routes:
             body = self._admission.shape(spec, endpoint, self.read_body(request))
             prompts, keys = await self._prepare(request_id, endpoint, body, len(request.body))
             ticket = await self._admission.admit(spec, endpoint, body, prompts)
+            if self._send_token_ids:
+                body = engine_body(endpoint, body, prompts)
             call = Call(request_id, endpoint, body, _single(prompts), responder, started,
                         self._timeout_s)
             usage = await self._flow.serve(call, keys)

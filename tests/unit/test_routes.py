@@ -1,0 +1,52 @@
+"""What the gateway sends the engine: a counted completions prompt as its token ids, only where
+the engine would tokenise the text the same way and never read it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import load_topology
+from orchestrator.gateway.routes import engine_body, gateway_tokenizer_is_engines
+
+TOPOLOGY = Path(__file__).resolve().parents[1] / "integration/topology.yaml"
+IDS = [[42, 297, 84]]
+
+
+def test_a_counted_completions_prompt_goes_as_its_token_ids() -> None:
+    body = {"model": "tiny", "prompt": "Echo this", "max_tokens": 4, "echo": False,
+            "add_special_tokens": True}
+    assert engine_body("completions", body, IDS) == body | {"prompt": IDS[0]}
+    assert body["prompt"] == "Echo this"  # the client's body is not changed
+
+
+@pytest.mark.parametrize("endpoint,fields,prompts", [
+    ("chat", {"messages": [{"role": "user", "content": "hi"}]}, IDS),  # the template's ids
+    ("completions", {"prompt": "Echo this"}, None),  # not counted
+    ("completions", {"prompt": ""}, [[]]),  # vLLM's own error for an empty prompt
+    ("completions", {"prompt": ["one", "two"]}, [[1], [2]]),  # a batch
+    ("completions", {"prompt": [42, 297, 84]}, IDS),  # ids already
+    ("completions", {"prompt": "Echo this", "echo": True}, IDS),  # the text is answered
+    ("completions", {"prompt": "Echo this", "add_special_tokens": False}, IDS),
+    ("completions", {"prompt": "Echo this", "truncate_prompt_tokens": 2}, IDS),
+], ids=["chat", "not-counted", "empty", "batch", "ids", "echo", "no-special-tokens", "truncated"])
+def test_other_bodies_go_as_the_client_sent_them(endpoint: str, fields: dict,
+                                                 prompts: list[list[int]] | None) -> None:
+    body = {"model": "tiny", "max_tokens": 4} | fields
+    assert engine_body(endpoint, body, prompts) is body
+
+
+@pytest.mark.parametrize("where", ["topology", "pool"])
+@pytest.mark.parametrize("arg", ["tokenizer", "tokenizer_mode", "revision"])
+def test_engine_arguments_that_change_the_tokenizer_keep_prompts_as_text(where: str,
+                                                                         arg: str) -> None:
+    topology = load_topology(TOPOLOGY)
+    assert gateway_tokenizer_is_engines(topology)
+    if where == "topology":
+        changed = topology.model_copy(update={"engine_args": topology.engine_args | {arg: "x"}})
+    else:
+        pool = topology.pools[0]
+        changed = topology.model_copy(update={"pools": [
+            pool.model_copy(update={"engine_args": pool.engine_args | {arg: "x"}})]})
+    assert not gateway_tokenizer_is_engines(changed)
