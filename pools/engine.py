@@ -5,7 +5,7 @@ Everything above `pools/` (gateway, router, request flow) sees engines only thro
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -64,12 +64,24 @@ class TokenTrace:
         self._ready: list[int] = []
         self._pending: list[int] = []
 
-    def add(self, ids: Iterable[int], text: str) -> None:
-        """One engine step's tokens and the text it produced (empty: their text is pending)."""
-        self._pending.extend(ids)
-        if text:
-            self._ready += self._pending
-            self._pending = []
+    def add(self, ids: Iterable[int], text: str,
+            unfinished: Callable[[Sequence[int]], int] | None = None) -> None:
+        """One engine output's tokens and the text it produced (empty: their text is pending).
+
+        An output can hold several steps (vLLM merges the deltas its reader has not taken yet):
+        its text may then complete only the first tokens, the last ones still part of a
+        character. `unfinished` tells how many of the tokens pending, these included, end
+        without their text (the engine's tokenizer decides); without it, text completes them
+        all. Example: ids [850, 100], text "26", 100 the first byte of a 3-byte character ->
+        850 ready, 100 pending."""
+        pending = self._pending
+        pending.extend(ids)
+        if not text:
+            return
+        held = unfinished(pending) if unfinished is not None and len(pending) > 1 else 0
+        cut = len(pending) - held
+        self._ready += pending[:cut]
+        self._pending = pending[cut:]
 
     def take(self) -> list[int]:
         """The tokens whose text was produced since the last call."""

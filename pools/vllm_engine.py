@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from argparse import Namespace
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -232,13 +232,33 @@ class ExpertLoad:
         self.tokens = counts.tolist()
 
 
-def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None
+def unfinished_tail(tokenizer: Any) -> Callable[[Sequence[int]], int]:
+    """How many of the last tokens of `ids` (which begin after a complete character) make no
+    complete text yet: their bytes end inside a character, as vLLM's detokenizer sees them (it
+    emits no text while the decoded string ends in U+FFFD). A continuation must not start
+    there: vLLM's DecodeStream, primed with a prompt that ends inside a character, answers its
+    first step with the whole prompt's text.
+    Example (byte-level BPE): ["2", "6", byte 0xE2] -> 1; ["2", "6"] -> 0."""
+
+    def unfinished(ids: Sequence[int]) -> int:
+        for held in range(len(ids)):
+            text = tokenizer.decode(list(ids[:len(ids) - held]), skip_special_tokens=False)
+            if not text.endswith("\ufffd"):
+                return held
+        return len(ids)
+
+    return unfinished
+
+
+def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None,
+            unfinished: Callable[[Sequence[int]], int] | None = None
             ) -> Callable[..., AsyncIterator[Any]]:
     """`AsyncLLM.generate` as vLLM's serving layer calls it, on the request's data-parallel rank
     (the router's choice; None: the engine's own balancer picks) and with its TokenTrace, which
     sees every output before the serving layer turns it into bytes; `experts` counts the experts
     every request was routed to. Untraced requests of an engine that counts no experts get the
-    engine's own generator."""
+    engine's own generator. `unfinished` (unfinished_tail) splits an output that merged several
+    steps at its last complete character."""
 
     def generate_traced(prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
                         ) -> AsyncIterator[Any]:
@@ -249,18 +269,21 @@ def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | N
             return generate(prompt, params, request_id, *args, **kwargs)
         if trace is not None and trace.resume:
             prompt, params = _resumed(prompt, params, trace.resume)
-        return _follow(generate(prompt, params, request_id, *args, **kwargs), trace, experts)
+        return _follow(generate(prompt, params, request_id, *args, **kwargs), trace, experts,
+                       unfinished)
 
     return generate_traced
 
 
 async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace | None,
-                  experts: ExpertLoad | None = None) -> AsyncIterator[Any]:
+                  experts: ExpertLoad | None = None,
+                  unfinished: Callable[[Sequence[int]], int] | None = None
+                  ) -> AsyncIterator[Any]:
     try:
-        async for output in outputs:  # DELTA outputs: the tokens and text are this step's
+        async for output in outputs:  # DELTA outputs: the tokens and text since the last one
             choice = output.outputs[0]
             if trace is not None:
-                trace.add(choice.token_ids, choice.text)
+                trace.add(choice.token_ids, choice.text, unfinished)
             if experts is not None and output.finished:
                 for each in output.outputs:
                     if getattr(each, "routed_experts", None) is not None:
@@ -328,7 +351,10 @@ class VllmEngine:
             stat_loggers=[self._recorder.factory, BufferedRayStatLogger],
             disable_log_stats=False,
         )
-        self._llm.generate = _traced(self._llm.generate, self.experts)  # what vLLM's serving calls
+        tokenizer = self._llm.tokenizer  # None with skip_tokenizer_init: no text to split
+        self._llm.generate = _traced(  # what vLLM's serving layer calls
+            self._llm.generate, self.experts,
+            unfinished_tail(tokenizer) if tokenizer is not None else None)
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
         # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
         # (a routing target) has its own share

@@ -16,7 +16,8 @@ from channel.frames import Request, Usage
 from orchestrator.gateway.migration import continuation_body, not_resumable
 from pools.engine import ReplyHead, TokenTrace, per_token_data
 from pools.usage import StreamMeter
-from pools.vllm_engine import _resumed, _traced
+from pools.tiny_model import _hf_tokenizer
+from pools.vllm_engine import _resumed, _traced, unfinished_tail
 from tokenfab.errors import EngineDeadError
 
 STREAM = {"model": "tiny", "prompt": "x", "stream": True}
@@ -152,6 +153,43 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
                              {"priority": 1})
 
     asyncio.run(scenario())
+
+
+def test_an_output_of_merged_steps_hands_out_only_tokens_whose_text_is_complete() -> None:
+    """vLLM merges the deltas its reader has not taken yet: one output can carry the token that
+    made "26" and the first byte of the next character. That byte is not the client's yet."""
+    inside = {100, 101}  # bytes after which a character is not complete yet, say
+
+    def unfinished(ids: list[int]) -> int:
+        return next(held for held in range(len(ids) + 1)
+                    if held == len(ids) or ids[-1 - held] not in inside)
+
+    trace = TokenTrace()
+    trace.add([850, 100], "26", unfinished)
+    assert (trace.take(), trace.holding) == ([850], True)
+    trace.add([101], "", unfinished)
+    trace.add([102, 70], "\u20aca", unfinished)  # completes the character, and one more
+    assert (trace.take(), trace.holding) == ([100, 101, 102, 70], False)
+    trace.add([7, 8], "xy")  # without a tokenizer: text completes every token
+    assert trace.take() == [7, 8]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _hf_tokenizer(seed=0)  # the tiny model's byte-level BPE
+
+
+def test_the_unfinished_tail_is_the_bytes_after_the_last_complete_character(tokenizer) -> None:
+    unfinished = unfinished_tail(tokenizer)
+    euro = tokenizer.encode("\u20ac", add_special_tokens=False)  # 3 bytes
+    twenty_six = tokenizer.encode("26", add_special_tokens=False)
+    assert len(euro) > 1 and "\ufffd" in tokenizer.decode(euro[:1])
+    assert unfinished(twenty_six) == 0
+    assert unfinished(twenty_six + euro[:1]) == 1
+    assert unfinished(twenty_six + euro[:-1]) == len(euro) - 1
+    assert unfinished(twenty_six + euro) == 0
+    assert unfinished(euro[:1]) == 1
+    assert unfinished([tokenizer.eos_token_id]) == 0
 
 
 class _Recorder:
