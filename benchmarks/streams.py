@@ -103,12 +103,9 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
-async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any],
-                 out: Stream | None = None) -> Stream:
-    """Send one streamed request and read it to its end, into `out` when given (another thread
-    may watch it fill)."""
-    out = out or Stream(endpoint)
-    out.sent = time.monotonic()
+async def stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]) -> Stream:
+    """Send one streamed request and read it to its end."""
+    out = Stream(endpoint, sent=time.monotonic())
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     try:
         async with client.stream("POST", path, json=body) as response:

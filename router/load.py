@@ -41,6 +41,7 @@ class LoadTracker:
         self._requests: dict[str, _InFlight] = {}
         self._queued: dict[ReplicaId, int] = {}
         self._in_flight: dict[ReplicaId, int] = {}
+        self._streaming: dict[ReplicaId, int] = {}  # in flight, past their first token
 
     def dispatched(self, request_id: str, replica: ReplicaId, prefill_tokens: int) -> None:
         """Count the request on `replica` (moving it there if it was counted elsewhere)."""
@@ -67,6 +68,7 @@ class LoadTracker:
             return
         request.prefilled = True
         self._queued[request.replica] -= request.prefill_tokens
+        self._streaming[request.replica] = self._streaming.get(request.replica, 0) + 1
         elapsed = self._clock() - request.dispatched_at
         self.model.observe(request.replica, request.work_ahead, request.busy, elapsed)
 
@@ -79,7 +81,9 @@ class LoadTracker:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
-        if not request.prefilled:
+        if request.prefilled:
+            self._streaming[request.replica] -= 1
+        else:
             self._queued[request.replica] -= request.prefill_tokens
         self._in_flight[request.replica] -= 1
 
@@ -88,6 +92,10 @@ class LoadTracker:
 
     def in_flight(self, replica: ReplicaId) -> int:
         return self._in_flight.get(replica, 0)
+
+    def streaming(self, replica: ReplicaId) -> int:
+        """Requests in flight on the replica whose first token has come back."""
+        return self._streaming.get(replica, 0)
 
     def ttft_params(self, replica: ReplicaId, now: float | None = None) -> TTFTParams:
         return self.model.params(replica, now)
@@ -100,7 +108,7 @@ class LoadTracker:
         """The replica is gone: its requests will end with errors; stop counting them."""
         for request_id in [k for k, r in self._requests.items() if r.replica == replica]:
             del self._requests[request_id]
-        for table in (self._queued, self._in_flight):
+        for table in (self._queued, self._in_flight, self._streaming):
             table.pop(replica, None)
         self.model.forget(replica)
 

@@ -272,6 +272,7 @@ class RoutingService:
                 "engine_cached_tokens": view.engine_cached_tokens,
                 "engine_prompt_tokens": view.engine_prompt_tokens,
                 "in_flight": self._tracker.in_flight(replica),
+                "streaming": self._tracker.streaming(replica),
                 "breaker": self._breakers.state(replica),
                 "breaker_trips": self._breakers.trips(replica),
             }

@@ -42,18 +42,22 @@ def test_queued_work_in_flight_and_first_token_samples() -> None:
     tracker.first_token("r2")  # 1,500 ahead + 500 own, beside 1 request, in 0.5 s
     assert model.seen == [(A, 2000, 1, 0.5)]
     assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A)) == (1500, 2)
+    assert tracker.streaming(A) == 1
     clock.now = 1.5
     tracker.first_token("r1")
     tracker.first_token("r1")  # once only
     assert model.seen[1:] == [(A, 1500, 0, 1.5)]
+    assert tracker.streaming(A) == 2
     tracker.finished("r1")
+    assert (tracker.in_flight(A), tracker.streaming(A)) == (1, 1)
     tracker.dispatched("r3", A, 800)
     clock.now = 9.0
     tracker.finished("r3")  # ended without a first token (not streamed): not a sample
     assert len(model.seen) == 2
     tracker.finished("r2")
     tracker.finished("r2")  # idempotent
-    assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A)) == (0, 0)
+    assert (tracker.queued_prefill_tokens(A), tracker.in_flight(A), tracker.streaming(A)) \
+        == (0, 0, 0)
     assert tracker.in_flight(B) == 0
 
 
@@ -68,8 +72,11 @@ def test_a_request_counted_on_its_first_choice_moves_when_placed_elsewhere() -> 
     tracker.finished("r1")
     assert (tracker.queued_prefill_tokens(B), tracker.in_flight(B)) == (0, 0)
     tracker.dispatched("r2", B, 100)
+    tracker.first_token("r2")
+    assert tracker.streaming(B) == 1
     tracker.forget(B)
-    assert (tracker.queued_prefill_tokens(B), tracker.in_flight(B)) == (0, 0)
+    assert (tracker.queued_prefill_tokens(B), tracker.in_flight(B), tracker.streaming(B)) \
+        == (0, 0, 0)
     tracker.finished("r2")  # the request of a forgotten replica ends quietly
     assert tracker.in_flight(B) == 0
 
