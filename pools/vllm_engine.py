@@ -236,8 +236,9 @@ def unfinished_tail(tokenizer: Any) -> Callable[[Sequence[int]], int]:
     """How many of the last tokens of `ids` (which begin after a complete character) make no
     complete text yet: their bytes end inside a character, as vLLM's detokenizer sees them (it
     emits no text while the decoded string ends in U+FFFD). A continuation must not start
-    there: vLLM's DecodeStream, primed with a prompt that ends inside a character, answers its
-    first step with the whole prompt's text.
+    there: the `tokenizers` DecodeStream that vLLM primes with the prompt answers its first
+    step with the whole prompt's text when the prompt ends inside a character
+    (vllm-project/vllm#48853).
     Example (byte-level BPE): ["2", "6", byte 0xE2] -> 1; ["2", "6"] -> 0."""
 
     def unfinished(ids: Sequence[int]) -> int:
