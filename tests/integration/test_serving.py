@@ -212,12 +212,15 @@ def test_replicas_report_engine_load(deployment: Deployment, http: httpx.Client)
             break
     assert cached >= 128
     replica = response.headers["x-tokenfab-replica"]
-    time.sleep(2.5)  # replicas report every second
-    reports = httpx.get(deployment.base_url.removesuffix("/v1") + "/tokenfab/replicas",
-                        trust_env=False).json()
-    load = next(r["load"] for r in reports if r["replica_id"] == replica)
-    assert load["prefix_cache_queries"] >= 2 * response.json()["usage"]["prompt_tokens"]
-    assert load["prefix_cache_hits"] >= cached
+
+    def reported() -> dict:
+        return next(r["load"] for r in _gateway(deployment, "/tokenfab/replicas")
+                    if r["replica_id"] == replica)
+    queried, deadline = 2 * response.json()["usage"]["prompt_tokens"], time.monotonic() + 10
+    while (load := reported())["prefix_cache_queries"] < queried \
+            or load["prefix_cache_hits"] < cached:  # replicas report every second
+        assert time.monotonic() < deadline, (load, queried, cached)
+        time.sleep(0.2)
     assert 0.0 <= load["kv_cache_usage"] <= 1.0
 
 
@@ -438,8 +441,7 @@ def test_evicted_blocks_leave_the_map(deployment: Deployment, http: httpx.Client
     prefix = _long_prompt("evictme", 320)
     first = http.post("/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1})
     holder = first.headers["x-tokenfab-replica"]
-    report = next(r for r in httpx.get(deployment.base_url.removesuffix("/v1")
-                                       + "/tokenfab/replicas", trust_env=False).json()
+    report = next(r for r in _gateway(deployment, "/tokenfab/replicas")
                   if r["replica_id"] == holder)
     enough = 2 * report["kv_blocks"] * report["block_size"]  # prompt tokens placed on the holder
 
