@@ -63,6 +63,16 @@ class Policy:
         return bool(self.filters or self.weights)
 
     @property
+    def ranks_ids(self) -> bool:
+        """Whether `rank_ids` ranks without snapshots: nothing reads them and the picker orders
+        ids itself (round robin)."""
+        return not self.reads_candidates and hasattr(self.picker, "rank_ids")
+
+    def rank_ids(self, replicas: Sequence[ReplicaId]) -> list[ReplicaId]:
+        """The order of preference where `ranks_ids`; what `rank` would give, as ids."""
+        return self.picker.rank_ids(replicas)
+
+    @property
     def reads_block_map(self) -> bool:
         """Whether ranking reads the KV block map (else no engine events are followed)."""
         return bool(_MAP_SCORERS & set(self.weights))

@@ -95,6 +95,12 @@ class RoutingService:
         instant see each other's load (`dispatched` corrects it, `finished` removes it)."""
         held, approx = self._lookups(key)
         self._remember(key.request_id, held)
+        if self.policy.ranks_ids:  # round robin: no snapshot of every replica
+            ids = self.policy.rank_ids(replicas)
+            if ids:
+                cached = min(held.get(ids[0], 0) * key.block_size, key.prompt_tokens)
+                self._tracker.dispatched(key.request_id, ids[0], key.prompt_tokens - cached)
+            return ids
         scored_ids, rest = self.policy.shortlist(replicas, approx, held)
         request = _request(key)
         scored = self.policy.rank(request, self._candidates(key, scored_ids, held, approx))

@@ -91,6 +91,20 @@ def test_round_robin_picker_turns_by_replica_id() -> None:
     assert firsts == [A, B, C, A]
 
 
+def test_round_robin_ranks_ids_in_the_same_turn_without_snapshots() -> None:
+    """The ids alone, in the order `rank` gives, the turn shared; a pool that changes is
+    ordered again."""
+    picker = RoundRobinPicker()
+    assert picker.rank_ids(["c", "a", "b"]) == [A, B, C]
+    assert [c.replica for c in picker.rank([cand("b"), cand("a"), cand("c")], [0, 0, 0])] \
+        == [B, C, A]
+    assert picker.rank_ids(["c", "a", "b"]) == [C, A, B]
+    assert picker.rank_ids(["d", "a"]) == ["d", A]  # turn 3 of 2 replicas: the second first
+    assert picker.rank_ids([]) == []
+    assert build_policy("round_robin").ranks_ids
+    assert not any(build_policy(name).ranks_ids for name in ("kv_aware", "least_loaded"))
+
+
 @pytest.mark.parametrize(("policy", "candidates", "first"), [
     # kv_aware: affinity when the holder is not busy ...
     ("kv_aware", [cand("a", cached_tokens=1536, queued_prefill_tokens=1000), cand("b")], A),

@@ -115,7 +115,10 @@ def test_policies_without_prefixes_hash_nothing_and_follow_no_events(publishers)
     async def scenario() -> None:
         key = service.route_key("r", list(range(64)))  # no replica yet: no block size
         assert (key.prompt_tokens, key.block_size, key.block_hashes) == (64, 0, [])
-        assert service.rank(key, [B, A]) in ([A, B], [B, A])
+        ranked = service.rank(key, [B, A])
+        assert ranked in ([A, B], [B, A])
+        assert (service.in_flight(ranked[0]), service.in_flight(ranked[1])) == (1, 0)  # counted
+        assert service.rank(service.route_key("r1", [1]), [B, A]) == ranked[::-1]  # in turn
         service.set_replicas([view(A, publishers[A])])
         key = service.route_key("r2", list(range(64)))
         assert (key.block_size, key.block_hashes) == (BLOCK, [])  # round robin reads no prefix
