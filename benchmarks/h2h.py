@@ -351,6 +351,9 @@ class Bench:
             print("baselines: starting 2 vLLM servers")
             for url, engine in zip(urls, engines):
                 wait_ready(url, engine, 900, "/health")
+            if self.args.stack_load_pct:
+                session.spawn([sys.executable, "-c", _STACK_LOAD, str(self.args.stack_load_pct)],
+                              {}, logs / "stack-load.log")
             for offset, (system, policy) in enumerate(setups):
                 port = ROUTER_PORT + SETUPS.index((system, policy))
                 router = start_router(session, system, policy, port, PROMETHEUS_PORT + offset,
@@ -385,6 +388,18 @@ def record(run: dict[str, Any], mode: str) -> dict[str, Any]:
             "other_cpu_pct_before": run["other_cpu_pct_before"], "attempts": run["attempts"]}
 
 
+# `--stack-load-pct`: busy for that share of every 2 ms, asleep for the rest
+_STACK_LOAD = """
+import sys, time
+busy = 0.002 * float(sys.argv[1]) / 100
+while True:
+    began = time.perf_counter()
+    while time.perf_counter() - began < busy:
+        pass
+    time.sleep(max(0.0, 0.002 - (time.perf_counter() - began)))
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=str(TRACE), help="a Mooncake-format JSONL trace")
@@ -405,6 +420,10 @@ def main() -> None:
     parser.add_argument("--logs", default="/tmp/h2h-logs", help="baseline servers' logs")
     parser.add_argument("--profile", default="", help="directory: py-spy the tokenfab data path "
                         "during its highest-rate replays (perturbs those records)")
+    parser.add_argument("--stack-load-pct", type=float, default=0.0,
+                        help="diagnostic: a process in the baselines' session that keeps this %% "
+                        "of one core busy (in 2 ms periods), as a heavier stack would beside the "
+                        "engines; it counts as outside the stack (raise --max-other-pct)")
     parser.add_argument("--client-nice", type=int, default=-10,
                         help="the client's scheduling priority (see machine.prioritise_client)")
     args = parser.parse_args()
