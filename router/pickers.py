@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import operator
 import random
 from collections.abc import Sequence
 
 from router.index import ReplicaId
 from router.plugins import Candidate
-
-_REPLICA = operator.attrgetter("replica")
-
 
 class MaxScorePicker:
     """Highest total score first. Candidates within `tolerance` (relative) of the best are
@@ -51,15 +47,12 @@ class RoundRobinPicker:
         self._ordered: list[ReplicaId] = []
 
     def rank(self, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]:
-        if not candidates:
-            return []
-        ordered = sorted(candidates, key=_REPLICA)
-        start = next(self._turn) % len(ordered)
-        return ordered[start:] + ordered[:start]
+        by_id = {c.replica: c for c in candidates}
+        return [by_id[replica] for replica in self.rank_ids(list(by_id))]
 
     def rank_ids(self, replicas: Sequence[ReplicaId]) -> list[ReplicaId]:
-        """`rank` for a policy that reads nothing of the candidates: the ids alone, in the same
-        turn, without a snapshot per replica (a pool of 1,024 took 0.24 ms a decision to
+        """The same turn over bare ids, for a policy that reads nothing of the candidates: no
+        snapshot per replica (a pool of 1,024 took 0.24 ms a decision to
         snapshot and sort). The order of a pool that did not change is kept, not sorted again."""
         if not replicas:
             return []

@@ -192,11 +192,6 @@ class RoutingService:
         """Snapshots of `replicas` for this request (a hot path: ~3 us per replica, the TTFT
         model's part only where a scorer reads it, or to explain a decision)."""
         block, prompt = key.block_size, key.prompt_tokens
-        if not (explain or self.policy.reads_candidates):  # round robin: the ids are enough
-            if not held:
-                return list(map(Candidate, replicas))
-            return [Candidate(replica, cached_tokens=min(held.get(replica, 0) * block, prompt))
-                    for replica in replicas]
         room = "cache_room" in self.policy.weights
         modelled = explain or "ttft" in self.policy.weights
         tracker, views, now = self._tracker, self._views, self._clock()

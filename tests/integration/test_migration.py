@@ -63,17 +63,15 @@ def _migrations(root: str) -> dict[str, float]:
             if s.name == "tokenfab_router_migrations_total"}
 
 
-def _both_ready(root: str) -> bool:
-    """Whether both replicas report ready (the registry answers throughout: it outlives a killed
-    replica)."""
-    response = httpx.get(f"{root}/tokenfab/replicas", trust_env=False, timeout=30)
-    assert response.status_code == 200, response.text
-    return sum(r["state"] == "ready" for r in response.json()) == 2
-
-
 def _await_both_ready(root: str) -> None:
+    """Until both replicas report ready (a killed one is being replaced; the registry answers
+    throughout: it outlives a killed replica)."""
     deadline = time.monotonic() + 300
-    while not _both_ready(root):  # a killed replica is being replaced
+    while True:
+        response = httpx.get(f"{root}/tokenfab/replicas", trust_env=False, timeout=30)
+        assert response.status_code == 200, response.text
+        if sum(r["state"] == "ready" for r in response.json()) == 2:
+            return
         assert time.monotonic() < deadline, "the killed replica was not replaced"
         time.sleep(1)
 

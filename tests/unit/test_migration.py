@@ -124,13 +124,13 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
 
         async def outputs():
             try:
-                for ids, text in (([5], "a"), ([6], ""), ([7], "b"), ([8], "")):
+                for ids, text in (([5], "a"), ([6], ""), ([7, 9], "b"), ([8], "")):
                     yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, text=text)])
             finally:
                 closed.append(True)
         return outputs()
 
-    traced = _traced(generate)
+    traced = _traced(generate, unfinished=lambda ids: int(ids[-1] == 9))  # 9: a lead byte
 
     async def scenario() -> None:
         from pools import vllm_engine
@@ -147,8 +147,10 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
             if len(seen) == 3:
                 break
         await outputs.aclose()
-        # 6 is part of a character that 7 completes: handed out with 7's text, not before
-        assert seen == [[5], [], [6, 7]] and closed == [True]  # the engine's generator closed
+        # 6 is part of a character that 7 completes: handed out with 7's text, not before; 9,
+        # merged into 7's output, begins a character that output's text does not complete
+        assert seen == [[5], [], [6, 7]] and trace.holding
+        assert closed == [True]  # the engine's generator closed
         assert calls[-1] == ({"type": "token", "prompt_token_ids": [1, 2, 3, 4]}, 7, "b",
                              {"priority": 1})
 
