@@ -47,6 +47,30 @@ def _text(field: str, content: Any) -> Any:
     return "\n".join(texts)
 
 
+def _encoder(tokenizer: Any) -> Any:
+    """A fast tokenizer's Rust core, set up as the tokenizer's `__call__` sets it up for every
+    call with no truncation or padding; None for a slow (pure Python) tokenizer.
+
+    `tokenizer(text).input_ids` is this core's `encode_batch([text])[0].ids` plus per call Python
+    work (argument checks, resetting truncation and padding, a BatchEncoding built around the
+    ids): about 30 us a call on this machine, most of the cost of a short prompt (35 against 6.5
+    us for 2 words), a few percent of a long one (1.78 against 1.75 ms for 1,800 tokens).
+    `encode_batch`, not `encode`: it releases the GIL while it works (`encode` does not), so a
+    long prompt counted on a thread does not stop the event loop.
+    The copy is this counter's own, so that nothing else that uses the tokenizer changes it.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    encoder = Tokenizer.from_str(backend.to_str())
+    encoder.no_truncation()
+    encoder.no_padding()
+    encoder.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+    return encoder
+
+
 class PromptTokenCounter:
     """Loads the model's tokenizer once; counting is CPU work: call it off the event loop."""
 
@@ -54,6 +78,13 @@ class PromptTokenCounter:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._encoder = _encoder(self._tokenizer)
+
+    def _encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """The ids `tokenizer(text, add_special_tokens=special_tokens).input_ids` gives."""
+        if self._encoder is None:
+            return self._tokenizer(text, add_special_tokens=special_tokens).input_ids
+        return self._encoder.encode_batch([text], add_special_tokens=special_tokens)[0].ids
 
     def prompts(self, endpoint: str, body: Mapping[str, Any]) -> list[list[int]]:
         """Token ids of each prompt of an OpenAI request body (a completions batch has several).
@@ -66,7 +97,7 @@ class PromptTokenCounter:
             return [self._chat(body.get("messages"))]
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return [self._tokenizer(prompt).input_ids]
+            return [self._encode(prompt)]
         if isinstance(prompt, list) and prompt:
             if _token_ids(prompt):
                 return [list(prompt)]
@@ -74,7 +105,7 @@ class PromptTokenCounter:
             for i, item in enumerate(prompt):
                 if not (isinstance(item, str) if text else _token_ids(item) and item):
                     raise PromptError(f"prompt[{i}]", f"the prompt must be {_PROMPT_SHAPES}")
-            return [self._tokenizer(item).input_ids if text else list(item) for item in prompt]
+            return [self._encode(item) if text else list(item) for item in prompt]
         if prompt is None:
             raise PromptError("prompt", "field required")
         raise PromptError("prompt", f"must be {_PROMPT_SHAPES}")
@@ -89,8 +120,9 @@ class PromptTokenCounter:
             shaped.append(dict(message) | {"content": _text(f"messages[{i}].content",
                                                               message.get("content"))})
         try:
-            ids = self._tokenizer.apply_chat_template(shaped, add_generation_prompt=True,
-                                                      tokenize=True)
+            # rendered, then tokenised without special tokens: what tokenize=True does
+            text = self._tokenizer.apply_chat_template(shaped, add_generation_prompt=True,
+                                                       tokenize=False)
         except (TypeError, KeyError, AttributeError, ValueError) as exc:  # the messages' fault
             raise PromptError("messages", f"the chat template cannot render them: {exc!r}"
                               ) from exc
@@ -98,5 +130,4 @@ class PromptTokenCounter:
             if type(exc).__module__.startswith("jinja2"):
                 raise PromptError("messages", f"the chat template refused them: {exc}") from exc
             raise
-        # transformers 5 returns a BatchEncoding (a mapping, not a dict); 4 returned a list
-        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        return self._encode(text, special_tokens=False)
