@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from router.index import ReplicaId
 from router.plugins import Candidate
 
+
 class MaxScorePicker:
     """Highest total score first. Candidates within `tolerance` (relative) of the best are
     shuffled, so equal replicas share load instead of the first one taking everything.

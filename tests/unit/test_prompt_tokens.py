@@ -67,12 +67,13 @@ def test_a_chat_counts_as_the_rendered_template_tokenised(saved) -> None:
     assert counter.prompts("chat", {"messages": messages}) == [expected]
 
 
-def test_the_counter_does_not_change_the_tokenizer_it_shares(saved) -> None:
-    """The counter encodes with a copy of the Rust core: truncation set on the tokenizer (as a
-    caller of `tokenizer(..., truncation=True)` leaves it) does not reach the counts."""
-    tokenizer, counter = saved
-    counter._tokenizer.backend_tokenizer.enable_truncation(4)
-    try:
-        assert len(counter.prompts("completions", {"prompt": TEXTS[1]})[0]) > 4
-    finally:
-        counter._tokenizer.backend_tokenizer.no_truncation()
+def test_truncation_in_the_tokenizer_file_does_not_cut_the_count(tmp_path: Path) -> None:
+    """A tokenizer.json may carry truncation; `tokenizer(text)` ignores it (it resets it on every
+    call), and so must the count."""
+    tokenizer = _hf_tokenizer(seed=0)
+    tokenizer.backend_tokenizer.enable_truncation(4)
+    tokenizer.save_pretrained(tmp_path)
+    assert '"truncation": {' in (tmp_path / "tokenizer.json").read_text()
+    ids = PromptTokenCounter(str(tmp_path)).prompts("completions", {"prompt": TEXTS[1]})[0]
+    tokenizer.backend_tokenizer.no_truncation()
+    assert ids == tokenizer(TEXTS[1]).input_ids and len(ids) > 4
