@@ -29,7 +29,7 @@ from pools.engine import (Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTr
                           openai_error, per_token_data)
 from pools.kv_event_ranks import rank_endpoint
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
-from pools.registry import REPORT_INTERVAL_S, RankReport, ReplicaReport, get_registry
+from pools.registry import REPORT_INTERVAL_S, RankReport, Registry, ReplicaReport
 from pools.usage import StreamMeter, usage_of, with_stream_usage
 from tokenfab.errors import EngineError
 from tokenfab.serve_replica import bind_to_node_address
@@ -114,7 +114,7 @@ class PoolReplica:
         self._engine = VllmEngine(spec)
         self._channel: ChannelServer | None = None
         self._channel_address: str | None = None
-        self._registry = get_registry(settings.app)
+        self._registry = Registry(settings.app)
         self._reporter = asyncio.create_task(self._report_forever(), name="registry-reporter")
         if spec.generate:
             await asyncio.to_thread(_ensure_generated_model, spec)
@@ -326,10 +326,9 @@ class PoolReplica:
     async def _report_forever(self) -> None:
         while True:
             try:
-                await self._registry.report.remote(self.report())
-            except ray.exceptions.RayError as exc:  # its owner went away: make a new one
-                logger.info("registry unavailable (%s); recreating it", exc)
-                self._registry = get_registry(self._settings.app)
+                await self._registry.report(self.report())
+            except Exception as exc:  # noqa: BLE001 - reported again at the next turn
+                logger.warning("could not report replica %s: %r", self._replica_id, exc)
             await asyncio.sleep(REPORT_INTERVAL_S)
 
     async def __del__(self) -> None:
@@ -344,9 +343,9 @@ class PoolReplica:
         self._reporter.cancel()
         if self._channel is not None:
             self._channel.close()
-        try:
-            await self._registry.forget.remote(self._replica_id)
-        except ray.exceptions.RayError:
+        try:  # else its entry expires
+            await self._registry.forget(self._replica_id)
+        except Exception:  # noqa: BLE001 - the GCS may be going away with the cluster
             pass
         await asyncio.to_thread(self._engine.shutdown)
         for relay in self._event_relays:

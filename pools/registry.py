@@ -1,18 +1,19 @@
-"""A small Ray actor where every replica reports what a router or `tokenfab status` needs.
+"""Where every replica reports what a router or `tokenfab status` needs: entries of Ray's GCS
+key-value store, one per replica, per ingress and per pool's latest scaling decision.
 
-Replicas push a ReplicaReport every second; entries not refreshed within `ttl_s` are dropped, so a
-crashed or removed replica disappears on its own. Readers get plain snapshots.
-
-The actor is detached: an actor that is not dies with the process that created it, and a replica
-that dies (Serve replaces one whose engine failed) would take every other replica's reports, the
-ingress announcements and the autoscaler's records with it. It ends itself once nobody has
-reported to it for `idle_exit_s` (its application was removed).
+Replicas write their ReplicaReport every second; readers list the application's entries and
+drop those not refreshed within their time to live, so a crashed or removed replica disappears
+on its own (a reader also deletes what it drops). The store is the GCS's own: it outlives any
+replica, and it costs no process of its own (an actor did before: a Ray worker's fixed wake-ups,
+about 1% of a core, on every deployment). Writes and reads are the GCS client's asynchronous
+calls, never blocking an event loop.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
+from typing import Any, TypeVar
 
 import msgspec
 import ray
@@ -23,7 +24,6 @@ from pools.engine import LoadSnapshot
 NAMESPACE = "tokenfab"
 REPORT_INTERVAL_S = 1.0
 INGRESS_TTL_S = 15.0  # an ingress replica that has not announced itself for this long is gone
-IDLE_EXIT_S = 300.0  # a registry nobody reported to for this long ends (its app is gone)
 
 
 class RankReport(msgspec.Struct, frozen=True):
@@ -73,66 +73,100 @@ class IngressReport(msgspec.Struct, frozen=True):
     reported_at: float = 0.0
 
 
-def registry_name(app: str) -> str:
-    return f"registry-{app}"
+NAMESPACE_KEY = NAMESPACE.encode()
+TIMEOUT_S = 2.0  # a registry call that takes longer fails (the caller keeps what it knew)
+_Entry = TypeVar("_Entry", ReplicaReport, IngressReport, ScaleRecord)
 
 
-@ray.remote(num_cpus=0, max_concurrency=64)
-class ReplicaRegistry:
-    """Owner of the replica table of one application."""
-
-    def __init__(self, ttl_s: float = 10.0, idle_exit_s: float = IDLE_EXIT_S) -> None:
-        self._ttl_s = ttl_s
-        self._reports: dict[str, ReplicaReport] = {}
-        self._scaling: dict[str, ScaleRecord] = {}
-        self._ingresses: dict[str, IngressReport] = {}
-        self._heard = time.monotonic()
-        threading.Thread(target=self._exit_when_idle, args=(idle_exit_s,), name="idle-exit",
-                         daemon=True).start()
-
-    def _exit_when_idle(self, idle_exit_s: float) -> None:
-        while (idle := time.monotonic() - self._heard) < idle_exit_s:
-            time.sleep(idle_exit_s - idle)
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-
-    def announce(self, report: IngressReport) -> None:
-        self._heard = time.monotonic()
-        self._ingresses[report.replica_id] = msgspec.structs.replace(report,
-                                                                     reported_at=time.time())
-
-    def ingresses(self) -> list[IngressReport]:
-        cutoff = time.time() - INGRESS_TTL_S
-        self._ingresses = {k: r for k, r in self._ingresses.items() if r.reported_at >= cutoff}
-        return sorted(self._ingresses.values(), key=lambda r: r.replica_id)
-
-    def report(self, report: ReplicaReport) -> None:
-        self._heard = time.monotonic()
-        self._reports[report.replica_id] = msgspec.structs.replace(report, reported_at=time.time())
-
-    def record_scale(self, record: ScaleRecord) -> None:
-        self._scaling[record.pool] = record
-
-    def scaling(self) -> list[ScaleRecord]:
-        return sorted(self._scaling.values(), key=lambda r: r.pool)
-
-    def forget(self, replica_id: str) -> None:
-        self._reports.pop(replica_id, None)
-        self._ingresses.pop(replica_id, None)
-
-    def snapshot(self) -> list[ReplicaReport]:
-        cutoff = time.time() - self._ttl_s
-        self._reports = {k: r for k, r in self._reports.items() if r.reported_at >= cutoff}
-        return sorted(self._reports.values(), key=lambda r: (r.pool, r.replica_id))
+def _gcs() -> Any:
+    """This process's GCS client (a Ray worker or driver connected to the cluster)."""
+    return ray._private.worker.global_worker.gcs_client
 
 
-def get_registry(app: str) -> ray.actor.ActorHandle:
-    """The application's registry, created on first use by whichever process asks first."""
-    return ReplicaRegistry.options(
-        name=registry_name(app), namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote()
+class Registry:
+    """One application's entries in the GCS key-value store (namespace `tokenfab`, keys
+    `registry/<app>/replica/<id>`, `registry/<app>/ingress/<id>`, `registry/<app>/scale/<pool>`)."""
+
+    def __init__(self, app: str, ttl_s: float = 10.0, timeout_s: float = TIMEOUT_S) -> None:
+        self._prefix = f"registry/{app}/"
+        self._ttl_s, self._timeout_s = ttl_s, timeout_s
+
+    def _key(self, kind: str, name: str) -> bytes:
+        return f"{self._prefix}{kind}/{name}".encode()
+
+    async def _put(self, key: bytes, entry: msgspec.Struct) -> None:
+        await _gcs().async_internal_kv_put(key, msgspec.msgpack.encode(entry), True,
+                                           NAMESPACE_KEY, timeout=self._timeout_s)
+
+    async def _delete(self, key: bytes) -> None:
+        await _gcs().async_internal_kv_del(key, False, NAMESPACE_KEY, timeout=self._timeout_s)
+
+    async def _entries(self, kind: str, type_: type[_Entry]) -> dict[bytes, _Entry]:
+        gcs, prefix = _gcs(), self._key(kind, "")
+        keys = await gcs.async_internal_kv_keys(prefix, NAMESPACE_KEY, timeout=self._timeout_s)
+        if not keys:
+            return {}
+        values = await gcs.async_internal_kv_multi_get(keys, NAMESPACE_KEY,
+                                                       timeout=self._timeout_s)
+        return {key: msgspec.msgpack.decode(value, type=type_) for key, value in values.items()}
+
+    async def report(self, report: ReplicaReport) -> None:
+        await self._put(self._key("replica", report.replica_id),
+                        msgspec.structs.replace(report, reported_at=time.time()))
+
+    async def announce(self, report: IngressReport) -> None:
+        await self._put(self._key("ingress", report.replica_id),
+                        msgspec.structs.replace(report, reported_at=time.time()))
+
+    async def forget(self, replica_id: str) -> None:
+        await asyncio.gather(self._delete(self._key("replica", replica_id)),
+                             self._delete(self._key("ingress", replica_id)))
+
+    async def snapshot(self) -> list[ReplicaReport]:
+        """Every replica reported within the time to live, by pool and id."""
+        reports = await self._fresh("replica", ReplicaReport, self._ttl_s)
+        return sorted(reports, key=lambda r: (r.pool, r.replica_id))
+
+    async def ingresses(self) -> list[IngressReport]:
+        return sorted(await self._fresh("ingress", IngressReport, INGRESS_TTL_S),
+                      key=lambda r: r.replica_id)
+
+    async def scaling(self) -> list[ScaleRecord]:
+        return sorted((await self._entries("scale", ScaleRecord)).values(),
+                      key=lambda r: r.pool)
+
+    async def record_scale(self, record: ScaleRecord) -> None:
+        await self._put(self._key("scale", record.pool), record)
+
+    async def _fresh(self, kind: str, type_: type[_Entry], ttl_s: float) -> list[_Entry]:
+        """The entries refreshed within `ttl_s`; the others are deleted (their writer is gone:
+        a replica that crashed, or an application removed and deployed again)."""
+        cutoff = time.time() - ttl_s
+        fresh, stale = [], []
+        for key, entry in (await self._entries(kind, type_)).items():
+            if entry.reported_at >= cutoff:
+                fresh.append(entry)
+            else:
+                stale.append(key)
+        await asyncio.gather(*(self._delete(key) for key in stale), return_exceptions=True)
+        return fresh
+
+
+_pending: set[asyncio.Task] = set()  # puts in flight from record_scale (a task needs a holder)
 
 
 def record_scale(app: str, record: ScaleRecord) -> None:
     """Where the autoscaler writes its decisions (autoscaler.records.DecisionSink). Called in the
-    Serve controller, not on any request path."""
-    get_registry(app).record_scale.remote(record)
+    Serve controller's control loop, not on any request path: the write is left to run on that
+    loop, not waited for."""
+    registry = Registry(app)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: a plain call
+        _gcs().internal_kv_put(registry._key("scale", record.pool),
+                               msgspec.msgpack.encode(record), True, NAMESPACE_KEY,
+                               timeout=TIMEOUT_S)
+        return
+    task = loop.create_task(registry.record_scale(record))
+    _pending.add(task)
+    task.add_done_callback(_pending.discard)

@@ -16,13 +16,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
-import ray
 
 from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
 from channel.frames import Head, Refused, Request
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from pools.engine import LoadSnapshot
-from pools.registry import IngressReport, ReplicaReport, get_registry
+from pools.registry import IngressReport, Registry, ReplicaReport
 from router.index import ReplicaId
 from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey, target_id
@@ -69,7 +68,7 @@ class ReplicaDirectory:
 
     def __init__(self, app: str, refresh_s: float = REFRESH_S) -> None:
         self._app, self._refresh_s = app, refresh_s
-        self._registry: ray.actor.ActorHandle | None = None
+        self._registry = Registry(app)
         self._listeners: dict[str, Callable[[list[ReplicaReport]], None]] = {}
         self._poked: asyncio.Event | None = None
 
@@ -94,14 +93,7 @@ class ReplicaDirectory:
 
     async def _call(self, method: str, timeout_s: float, *args: object):
         """One registry method, within `timeout_s` (raises if the registry does not answer)."""
-        if self._registry is None:  # a named-actor lookup blocks: never on the loop
-            self._registry = await asyncio.to_thread(get_registry, self._app)
-        try:
-            return await asyncio.wait_for(getattr(self._registry, method).remote(*args),
-                                          timeout_s)
-        except ray.exceptions.RayError:
-            self._registry = None  # its owner went away: look it up (or create it) again
-            raise
+        return await asyncio.wait_for(getattr(self._registry, method)(*args), timeout_s)
 
     def poke(self) -> None:
         """Read the registry again now (a request found no replica that could take it)."""

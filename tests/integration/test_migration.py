@@ -170,34 +170,43 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
     pytest.fail(f"no kill in {KILL_RUNS} runs cut a stream mid-way: {missed}")
 
 
-def test_the_registry_outlives_its_creator_and_ends_once_idle(migrating: Topology) -> None:
-    """The replica registry is detached: the process that created it may die (a replica Serve
-    replaces) and every other replica's reports stay; nobody reporting for `idle_exit_s`, it
-    ends. (It runs while Serve replaces the replica the test before killed, before the soak.)"""
+def test_registry_entries_outlive_their_writer_and_expire(migrating: Topology) -> None:
+    """The replica registry is the GCS's key-value store: what a process reported stays readable
+    after it exits (a replica Serve replaces), and once past its time to live a reader no longer
+    lists it and deletes it. (It runs while Serve replaces the replica the test before killed,
+    before the soak.)"""
     import ray
 
-    from pools.registry import NAMESPACE
+    from pools.registry import Registry
 
-    address, name = migrating.cluster.address, "registry-idle-test"
-    create = (f"import ray; from pools.registry import NAMESPACE, ReplicaRegistry; "
-              f"ray.init(address='{address}', log_to_driver=False, logging_level='ERROR', "
-              f"_node_ip_address='127.0.0.1'); r = ReplicaRegistry.options(name='{name}', "
-              f"namespace=NAMESPACE, lifetime='detached').remote(idle_exit_s=5); "
-              f"ray.get(r.snapshot.remote())")
-    subprocess.run([sys.executable, "-c", create], check=True, cwd=ROOT, timeout=120)
+    address, app = migrating.cluster.address, "registry-expiry-test"
+    write = (f"import asyncio, ray; from pools.engine import LoadSnapshot; "
+             f"from pools.registry import IngressReport, Registry, ReplicaReport; "
+             f"ray.init(address='{address}', log_to_driver=False, logging_level='ERROR', "
+             f"_node_ip_address='127.0.0.1'); r = Registry('{app}'); "
+             f"asyncio.run(r.report(ReplicaReport(app='{app}', pool='main', role='unified', "
+             f"replica_id='gone', node_ip='127.0.0.1', pid=0, cores=[], state='ready', "
+             f"load=LoadSnapshot(in_flight=3)))); "
+             f"asyncio.run(r.announce(IngressReport('gone', '127.0.0.1:1')))")
+    subprocess.run([sys.executable, "-c", write], check=True, cwd=ROOT, timeout=120)
     ray.init(address=address, log_to_driver=False, logging_level="ERROR",
              _node_ip_address="127.0.0.1")
     try:
-        handle = ray.get_actor(name, namespace=NAMESPACE)  # its creator has exited
-        assert ray.get(handle.snapshot.remote()) == []
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                break  # gone
-            assert time.monotonic() < deadline, "the idle registry did not end"
-            time.sleep(0.5)
+        async def check() -> None:
+            registry, short = Registry(app), Registry(app, ttl_s=2.0)
+            [report] = await registry.snapshot()  # its writer has exited
+            assert (report.replica_id, report.load.in_flight) == ("gone", 3)
+            assert [i.channel for i in await registry.ingresses()] == ["127.0.0.1:1"]
+            assert await Registry("another-app").snapshot() == []  # apps do not see each other
+            deadline = time.monotonic() + 30
+            while await short.snapshot():
+                assert time.monotonic() < deadline, "the report did not expire"
+                await asyncio.sleep(0.2)
+            assert await registry.snapshot() == []  # deleted by the reader that dropped it
+            await registry.forget("gone")
+            assert await registry.ingresses() == []
+
+        asyncio.run(check())
     finally:
         ray.shutdown()
 
