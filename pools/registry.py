@@ -12,7 +12,9 @@ calls, never blocking an event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -20,6 +22,8 @@ import ray
 
 from autoscaler.records import ScaleRecord
 from pools.engine import LoadSnapshot
+
+logger = logging.getLogger("ray.serve").getChild("tokenfab.registry")
 
 NAMESPACE = "tokenfab"
 REPORT_INTERVAL_S = 1.0
@@ -75,7 +79,13 @@ class IngressReport(msgspec.Struct, frozen=True):
 
 NAMESPACE_KEY = NAMESPACE.encode()
 TIMEOUT_S = 2.0  # a registry call that takes longer fails (the caller keeps what it knew)
-_Entry = TypeVar("_Entry", ReplicaReport, IngressReport, ScaleRecord)
+# A reader deletes an entry that has not changed for this many times its time to live (or that
+# was written this long ago by the writer's clock when the reader first sees it): far enough
+# past the time to live that a writer still alive has long written again
+DELETE_AFTER_TTLS = 6
+_Struct = TypeVar("_Struct", bound=msgspec.Struct)
+_Reported = TypeVar("_Reported", ReplicaReport, IngressReport)
+_background: set[asyncio.Task] = set()  # deletes and writes nobody awaits (a task needs a holder)
 
 
 def _gcs() -> Any:
@@ -83,13 +93,31 @@ def _gcs() -> Any:
     return ray._private.worker.global_worker.gcs_client
 
 
+def _in_background(coroutine: Coroutine[Any, Any, None], what: str) -> None:
+    task = asyncio.get_running_loop().create_task(coroutine)
+    _background.add(task)
+
+    def done(task: asyncio.Task) -> None:
+        _background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("replica registry: could not %s: %r", what, task.exception())
+
+    task.add_done_callback(done)
+
+
 class Registry:
     """One application's entries in the GCS key-value store (namespace `tokenfab`, keys
-    `registry/<app>/replica/<id>`, `registry/<app>/ingress/<id>`, `registry/<app>/scale/<pool>`)."""
+    `registry/<app>/replica/<id>`, `registry/<app>/ingress/<id>`, `registry/<app>/scale/<pool>`).
+
+    Whether an entry is fresh is judged on the reader's clock: it is listed while its writer has
+    rewritten it within the time to live, as this reader saw it change (nodes' clocks need not
+    agree). An entry seen for the first time counts as just written, unless its own timestamp is
+    older than DELETE_AFTER_TTLS times the time to live."""
 
     def __init__(self, app: str, ttl_s: float = 10.0, timeout_s: float = TIMEOUT_S) -> None:
         self._prefix = f"registry/{app}/"
         self._ttl_s, self._timeout_s = ttl_s, timeout_s
+        self._changed: dict[bytes, tuple[float, float]] = {}  # key -> (reported_at, seen change)
 
     def _key(self, kind: str, name: str) -> bytes:
         return f"{self._prefix}{kind}/{name}".encode()
@@ -101,14 +129,23 @@ class Registry:
     async def _delete(self, key: bytes) -> None:
         await _gcs().async_internal_kv_del(key, False, NAMESPACE_KEY, timeout=self._timeout_s)
 
-    async def _entries(self, kind: str, type_: type[_Entry]) -> dict[bytes, _Entry]:
+    async def _entries(self, kind: str, type_: type[_Struct]) -> dict[bytes, _Struct]:
+        """The entries of `kind`; one that does not decode as `type_` (written by another
+        version) is skipped and deleted."""
         gcs, prefix = _gcs(), self._key(kind, "")
         keys = await gcs.async_internal_kv_keys(prefix, NAMESPACE_KEY, timeout=self._timeout_s)
         if not keys:
             return {}
         values = await gcs.async_internal_kv_multi_get(keys, NAMESPACE_KEY,
                                                        timeout=self._timeout_s)
-        return {key: msgspec.msgpack.decode(value, type=type_) for key, value in values.items()}
+        entries = {}
+        for key, value in values.items():
+            try:
+                entries[key] = msgspec.msgpack.decode(value, type=type_)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("replica registry: deleting %s, unreadable: %s", key, exc)
+                _in_background(self._delete(key), f"delete {key!r}")
+        return entries
 
     async def report(self, report: ReplicaReport) -> None:
         await self._put(self._key("replica", report.replica_id),
@@ -123,7 +160,7 @@ class Registry:
                              self._delete(self._key("ingress", replica_id)))
 
     async def snapshot(self) -> list[ReplicaReport]:
-        """Every replica reported within the time to live, by pool and id."""
+        """Every replica rewritten within the time to live, by pool and id."""
         reports = await self._fresh("replica", ReplicaReport, self._ttl_s)
         return sorted(reports, key=lambda r: (r.pool, r.replica_id))
 
@@ -138,35 +175,39 @@ class Registry:
     async def record_scale(self, record: ScaleRecord) -> None:
         await self._put(self._key("scale", record.pool), record)
 
-    async def _fresh(self, kind: str, type_: type[_Entry], ttl_s: float) -> list[_Entry]:
-        """The entries refreshed within `ttl_s`; the others are deleted (their writer is gone:
-        a replica that crashed, or an application removed and deployed again)."""
-        cutoff = time.time() - ttl_s
-        fresh, stale = [], []
-        for key, entry in (await self._entries(kind, type_)).items():
-            if entry.reported_at >= cutoff:
+    async def _fresh(self, kind: str, type_: type[_Reported], ttl_s: float) -> list[_Reported]:
+        """The entries rewritten within `ttl_s`, as this reader saw them change. Those unchanged
+        for DELETE_AFTER_TTLS times as long are deleted, in the background: their writer is gone
+        (a replica that crashed, or an application removed)."""
+        now, wall, prefix = time.monotonic(), time.time(), self._key(kind, "")
+        entries = await self._entries(kind, type_)
+        fresh = []
+        for key, entry in entries.items():
+            last = self._changed.get(key)
+            if last is None or last[0] != entry.reported_at:
+                seen = now
+                if last is None and wall - entry.reported_at > DELETE_AFTER_TTLS * ttl_s:
+                    seen = now - (DELETE_AFTER_TTLS + 1) * ttl_s  # long gone even with skew
+                self._changed[key] = last = (entry.reported_at, seen)
+            unchanged_s = now - last[1]
+            if unchanged_s <= ttl_s:
                 fresh.append(entry)
-            else:
-                stale.append(key)
-        await asyncio.gather(*(self._delete(key) for key in stale), return_exceptions=True)
+            elif unchanged_s > DELETE_AFTER_TTLS * ttl_s:
+                self._changed.pop(key)
+                _in_background(self._delete(key), f"delete {key!r}")
+        for key in [k for k in self._changed if k.startswith(prefix) and k not in entries]:
+            del self._changed[key]
         return fresh
-
-
-_pending: set[asyncio.Task] = set()  # puts in flight from record_scale (a task needs a holder)
 
 
 def record_scale(app: str, record: ScaleRecord) -> None:
     """Where the autoscaler writes its decisions (autoscaler.records.DecisionSink). Called in the
     Serve controller's control loop, not on any request path: the write is left to run on that
-    loop, not waited for."""
+    loop, not waited for (a plain call where this thread runs no loop)."""
     registry = Registry(app)
     try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # no loop in this thread: a plain call
-        _gcs().internal_kv_put(registry._key("scale", record.pool),
-                               msgspec.msgpack.encode(record), True, NAMESPACE_KEY,
-                               timeout=TIMEOUT_S)
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(registry.record_scale(record))
         return
-    task = loop.create_task(registry.record_scale(record))
-    _pending.add(task)
-    task.add_done_callback(_pending.discard)
+    _in_background(registry.record_scale(record), f"record the scaling of pool {record.pool}")

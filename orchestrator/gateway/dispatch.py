@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 
+from autoscaler.records import ScaleRecord
 from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
 from channel.frames import Head, Refused, Request
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
@@ -67,7 +68,7 @@ class ReplicaDirectory:
     listeners (one per pool) get the reports of their pool after every read."""
 
     def __init__(self, app: str, refresh_s: float = REFRESH_S) -> None:
-        self._app, self._refresh_s = app, refresh_s
+        self._refresh_s = refresh_s
         self._registry = Registry(app)
         self._listeners: dict[str, Callable[[list[ReplicaReport]], None]] = {}
         self._poked: asyncio.Event | None = None
@@ -77,23 +78,19 @@ class ReplicaDirectory:
 
     async def snapshot(self, timeout_s: float = 2.0) -> list[ReplicaReport]:
         """Every replica's latest report, read now (raises if the registry does not answer)."""
-        return await self._call("snapshot", timeout_s)
+        return await asyncio.wait_for(self._registry.snapshot(), timeout_s)
 
-    async def scaling(self, timeout_s: float = 2.0) -> list:
-        return await self._call("scaling", timeout_s)
+    async def scaling(self, timeout_s: float = 2.0) -> list[ScaleRecord]:
+        return await asyncio.wait_for(self._registry.scaling(), timeout_s)
 
     async def announce(self, report: IngressReport, timeout_s: float = 2.0) -> None:
-        await self._call("announce", timeout_s, report)
+        await asyncio.wait_for(self._registry.announce(report), timeout_s)
 
     async def ingresses(self, timeout_s: float = 2.0) -> list[IngressReport]:
-        return await self._call("ingresses", timeout_s)
+        return await asyncio.wait_for(self._registry.ingresses(), timeout_s)
 
     async def forget(self, replica_id: str, timeout_s: float = 2.0) -> None:
-        await self._call("forget", timeout_s, replica_id)
-
-    async def _call(self, method: str, timeout_s: float, *args: object):
-        """One registry method, within `timeout_s` (raises if the registry does not answer)."""
-        return await asyncio.wait_for(getattr(self._registry, method)(*args), timeout_s)
+        await asyncio.wait_for(self._registry.forget(replica_id), timeout_s)
 
     def poke(self) -> None:
         """Read the registry again now (a request found no replica that could take it)."""

@@ -172,12 +172,12 @@ def test_a_kill_during_streaming_loses_nothing(migrating: Topology) -> None:
 
 def test_registry_entries_outlive_their_writer_and_expire(migrating: Topology) -> None:
     """The replica registry is the GCS's key-value store: what a process reported stays readable
-    after it exits (a replica Serve replaces), and once past its time to live a reader no longer
-    lists it and deletes it. (It runs while Serve replaces the replica the test before killed,
-    before the soak.)"""
+    after it exits (a replica Serve replaces); unchanged past its time to live, a reader no longer
+    lists it, and later deletes it. (It runs while Serve replaces the replica the test before
+    killed, before the soak.)"""
     import ray
 
-    from pools.registry import Registry
+    from pools.registry import NAMESPACE_KEY, Registry, _gcs
 
     address, app = migrating.cluster.address, "registry-expiry-test"
     write = (f"import asyncio, ray; from pools.engine import LoadSnapshot; "
@@ -193,16 +193,22 @@ def test_registry_entries_outlive_their_writer_and_expire(migrating: Topology) -
              _node_ip_address="127.0.0.1")
     try:
         async def check() -> None:
-            registry, short = Registry(app), Registry(app, ttl_s=2.0)
+            registry, short = Registry(app), Registry(app, ttl_s=3.0)
             [report] = await registry.snapshot()  # its writer has exited
             assert (report.replica_id, report.load.in_flight) == ("gone", 3)
             assert [i.channel for i in await registry.ingresses()] == ["127.0.0.1:1"]
-            assert await Registry("another-app").snapshot() == []  # apps do not see each other
-            deadline = time.monotonic() + 30
-            while await short.snapshot():
+            assert await Registry("registry-expiry").snapshot() == []  # a prefix of the app
+            assert [r.replica_id for r in await short.snapshot()] == ["gone"]  # first sight
+            deadline = time.monotonic() + 60
+            while await short.snapshot():  # unchanged for its 3 s time to live: dropped
                 assert time.monotonic() < deadline, "the report did not expire"
                 await asyncio.sleep(0.2)
-            assert await registry.snapshot() == []  # deleted by the reader that dropped it
+            key = f"registry/{app}/replica/gone".encode()
+            while await _gcs().async_internal_kv_exists(key, NAMESPACE_KEY, timeout=5):
+                assert time.monotonic() < deadline, "the expired report was not deleted"
+                await short.snapshot()  # the reader deletes it once 18 s unchanged
+                await asyncio.sleep(0.2)
+            assert await registry.snapshot() == []
             await registry.forget("gone")
             assert await registry.ingresses() == []
 
