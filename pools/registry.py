@@ -1,13 +1,12 @@
 """Where every replica reports what a router or `tokenfab status` needs: entries of Ray's GCS
 key-value store, one per replica, per ingress and per pool's latest scaling decision.
 
-Replicas write their ReplicaReport every second; readers list the application's entries and
-drop those not refreshed within their time to live, so a crashed or removed replica disappears
-on its own (a reader also deletes what it drops). The store is the GCS's own: it outlives any
-replica, and it costs no process of its own (an actor did before: a Ray worker's fixed wake-ups,
-about 1% of a core, on every deployment). Writes and reads are the GCS client's asynchronous
-calls, never blocking an event loop.
-"""
+Replicas write their ReplicaReport every second. A reader lists an entry while it sees it
+rewritten within its time to live, on the reader's own clock, so a crashed or removed replica
+disappears on its own; it deletes one unchanged for DELETE_AFTER_TTLS times as long. The store is
+the GCS's own: it outlives any replica, and it costs no process of its own (an actor did before:
+a Ray worker's fixed wake-ups, about 1% of a core, on every deployment). Writes and reads are the
+GCS client's asynchronous calls, never blocking an event loop."""
 
 from __future__ import annotations
 
@@ -21,11 +20,11 @@ import msgspec
 import ray
 
 from autoscaler.records import ScaleRecord
+from channel.secret import NAMESPACE  # the cluster secrets' namespace, shared
 from pools.engine import LoadSnapshot
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.registry")
 
-NAMESPACE = "tokenfab"
 REPORT_INTERVAL_S = 1.0
 INGRESS_TTL_S = 15.0  # an ingress replica that has not announced itself for this long is gone
 
