@@ -251,15 +251,30 @@ def unfinished_tail(tokenizer: Any) -> Callable[[Sequence[int]], int]:
     return unfinished
 
 
+def garbled_tail(tokenizer: Any) -> Callable[[Sequence[int]], bool]:
+    """Whether tokens whose text vLLM withholds (the decoded string ends in U+FFFD) hold bytes
+    that no later token makes a character of: the unfinished part of one character decodes to
+    a single U+FFFD, an invalid sequence before it to more.
+    Example (byte-level BPE): [byte 0xE2, byte 0x82] -> False (two of the euro sign's three
+    bytes); [byte 0xC5, byte 0xC5] -> True (0xC5 begins a character; 0xC5 cannot continue it)."""
+
+    def garbled(ids: Sequence[int]) -> bool:
+        return tokenizer.decode(list(ids), skip_special_tokens=False).count("\ufffd") > 1
+
+    return garbled
+
+
 def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None,
-            unfinished: Callable[[Sequence[int]], int] | None = None
+            unfinished: Callable[[Sequence[int]], int] | None = None,
+            garbled: Callable[[Sequence[int]], bool] | None = None
             ) -> Callable[..., AsyncIterator[Any]]:
     """`AsyncLLM.generate` as vLLM's serving layer calls it, on the request's data-parallel rank
     (the router's choice; None: the engine's own balancer picks) and with its TokenTrace, which
     sees every output before the serving layer turns it into bytes; `experts` counts the experts
     every request was routed to. Untraced requests of an engine that counts no experts get the
     engine's own generator. `unfinished` (unfinished_tail) splits an output that merged several
-    steps at its last complete character."""
+    steps at its last complete character, and `garbled` (garbled_tail) tells when tokens
+    without text will make none."""
 
     def generate_traced(prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
                         ) -> AsyncIterator[Any]:
@@ -271,20 +286,21 @@ def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | N
         if trace is not None and trace.resume:
             prompt, params = _resumed(prompt, params, trace.resume)
         return _follow(generate(prompt, params, request_id, *args, **kwargs), trace, experts,
-                       unfinished)
+                       unfinished, garbled)
 
     return generate_traced
 
 
 async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace | None,
                   experts: ExpertLoad | None = None,
-                  unfinished: Callable[[Sequence[int]], int] | None = None
+                  unfinished: Callable[[Sequence[int]], int] | None = None,
+                  garbled: Callable[[Sequence[int]], bool] | None = None
                   ) -> AsyncIterator[Any]:
     try:
         async for output in outputs:  # DELTA outputs: the tokens and text since the last one
             choice = output.outputs[0]
             if trace is not None:
-                trace.add(choice.token_ids, choice.text, unfinished)
+                trace.add(choice.token_ids, choice.text, unfinished, garbled)
             if experts is not None and output.finished:
                 for each in output.outputs:
                     if getattr(each, "routed_experts", None) is not None:
@@ -355,7 +371,8 @@ class VllmEngine:
         tokenizer = self._llm.tokenizer  # None with skip_tokenizer_init: no text to split
         self._llm.generate = _traced(  # what vLLM's serving layer calls
             self._llm.generate, self.experts,
-            unfinished_tail(tokenizer) if tokenizer is not None else None)
+            unfinished_tail(tokenizer) if tokenizer is not None else None,
+            garbled_tail(tokenizer) if tokenizer is not None else None)
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
         # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
         # (a routing target) has its own share
