@@ -45,7 +45,9 @@ class ReplyHead(msgspec.Struct, frozen=True):
 
 
 # The unfinished part of a character is at most 3 bytes (UTF-8 characters have 4 at most), so
-# at most 3 tokens: more tokens without text hold bytes no later token can make a character of.
+# at most 3 tokens. More tokens without text hold bytes no later token makes a character of, or
+# (rarely) one token both ends a character and begins the next: handed out then, they cost only
+# the chance to continue the stream (gateway.migration) until text comes.
 MAX_UNFINISHED_TOKENS = 3
 
 
@@ -103,17 +105,16 @@ class TokenTrace:
             self.whole = bool(text) and (unfinished is None or len(pending) == 1
                                          or not unfinished(pending))
             return
-        if not text:
-            if self._streams_ids and (len(pending) > MAX_UNFINISHED_TOKENS
-                                      or (garbled is not None and garbled(pending))):
-                self._ready += pending
-                self._pending = []
-                self.whole = False
-            return
-        held = unfinished(pending) if unfinished is not None and len(pending) > 1 else 0
-        cut = len(pending) - held
-        self._ready += pending[:cut]
-        self._pending = pending[cut:]
+        if text:
+            held = unfinished(pending) if unfinished is not None and len(pending) > 1 else 0
+            cut = len(pending) - held
+            self._ready += pending[:cut]
+            self._pending = pending = pending[cut:]
+        if self._streams_ids and pending and (len(pending) > MAX_UNFINISHED_TOKENS
+                                              or (garbled is not None and garbled(pending))):
+            self._ready += pending
+            self._pending = []
+            self.whole = False
 
     def take(self) -> list[int]:
         """The tokens whose text was produced since the last call (with `streams_ids`, also
@@ -128,7 +129,9 @@ class TokenTrace:
 
     def rest(self) -> list[int]:
         """Every token not taken yet, the held ones too (the stream ended: none will be
-        continued)."""
+        continued; held ones end inside a character, so the stream is no longer whole)."""
+        if self._pending:
+            self.whole = False
         ids, self._ready, self._pending = self._ready + self._pending, [], []
         return ids
 

@@ -251,17 +251,28 @@ def unfinished_tail(tokenizer: Any) -> Callable[[Sequence[int]], int]:
     return unfinished
 
 
-def garbled_tail(tokenizer: Any) -> Callable[[Sequence[int]], bool]:
+def garbled_tail(tokenizer: Any) -> Callable[[Sequence[int]], bool] | None:
     """Whether tokens whose text vLLM withholds (the decoded string ends in U+FFFD) hold bytes
-    that no later token makes a character of: the unfinished part of one character decodes to
-    a single U+FFFD, an invalid sequence before it to more.
+    that no later token makes a character of: where the unfinished part of one character
+    decodes to a single U+FFFD (byte-level BPE), an invalid sequence before it decodes to more.
     Example (byte-level BPE): [byte 0xE2, byte 0x82] -> False (two of the euro sign's three
-    bytes); [byte 0xC5, byte 0xC5] -> True (0xC5 begins a character; 0xC5 cannot continue it)."""
+    bytes); [byte 0xC5, byte 0xC5] -> True (0xC5 begins a character; 0xC5 cannot continue it).
 
-    def garbled(ids: Sequence[int]) -> bool:
-        return tokenizer.decode(list(ids), skip_special_tokens=False).count("\ufffd") > 1
+    None where the tokenizer's decoding cannot tell: SentencePiece's byte fallback writes one
+    U+FFFD per byte of an unfinished character, valid or not. Checked on characters the
+    tokenizer splits into 3 tokens or more (their first tokens are an unfinished character);
+    without one, None too, and TokenTrace's bound of MAX_UNFINISHED_TOKENS applies alone."""
 
-    return garbled
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    for character in ("\u20ac", "\u4e2d", "\U0001f600"):
+        ids = tokenizer.encode(character, add_special_tokens=False)
+        if len(ids) >= 3 and decode(ids) == character:
+            if decode(ids[:-1]) != "\ufffd":
+                return None
+            return lambda ids: decode(ids).count("\ufffd") > 1
+    return None
 
 
 def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None,
@@ -372,7 +383,7 @@ class VllmEngine:
         self._llm.generate = _traced(  # what vLLM's serving layer calls
             self._llm.generate, self.experts,
             unfinished_tail(tokenizer) if tokenizer is not None else None,
-            garbled_tail(tokenizer) if tokenizer is not None else None)
+            None if tokenizer is None else garbled_tail(tokenizer))
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
         # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
         # (a routing target) has its own share

@@ -100,7 +100,8 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
                 request = Request(call.endpoint, _encode(continuation_body(body)),
                                   track_tokens=True, resume=tuple(sent))
                 continue
-            pool.service.migration("exhausted" if resumable and whole else "not_resumable")
+            pool.service.migration("not_resumable" if not resumable
+                                   else "inside_character" if not whole else "exhausted")
             end_in_stream(call, exc)
             return None
         except GatewayError as exc:

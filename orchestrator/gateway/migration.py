@@ -19,7 +19,8 @@ What the continuation cannot reproduce ends in-stream, as it would without migra
   and would answer a continuation after them with the prompt's text (vllm-project/vllm#48853).
   Where the client sees every token's id or logprobs, such tokens are not held back until text
   comes, which could be the end of the reply: they stream (`ReplyStream.whole` is False) and the
-  stream is not continued until a complete character follows them.
+  stream is not continued until a complete character follows them (outcome
+  `inside_character`).
 
 Sampling continues with the same settings. Greedy requests continue with the tokens an
 uninterrupted run gives, as far as the engine's arithmetic is the same for a prompt computed at

@@ -91,7 +91,6 @@ def test_tokens_that_make_no_character_stream_as_they_come(http: httpx.Client) -
     body = {"model": MODEL, "prompt": "Bytes:", "max_tokens": 48, "temperature": 0,
             "logit_bias": {str(c5): 100}, "stream": True, "return_token_ids": True}
     arrivals, ids, text = [], [], ""
-    sent = time.monotonic()
     with http.stream("POST", "/completions", json=body) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -100,10 +99,10 @@ def test_tokens_that_make_no_character_stream_as_they_come(http: httpx.Client) -
                 arrivals.append(time.monotonic())
                 ids += choice["token_ids"]
                 text += choice["text"]
-    ended = time.monotonic()
     assert ids == [c5] * 48 and text == ""
-    # decode steps of 48 tokens separate the first chunk from the last (all at once before)
-    assert arrivals[-1] - arrivals[0] > 0.5 * (ended - sent), (arrivals[0] - sent, ended - sent)
+    # a decode step (milliseconds) between chunks; held, all 48 came within 0.16 ms
+    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
+    assert sum(gap > 0.001 for gap in gaps) > len(gaps) / 2, gaps
 
 
 def test_openai_client_completions_chat_and_streaming(deployment: Deployment) -> None:

@@ -407,7 +407,7 @@ def test_a_stream_cut_inside_bytes_that_make_no_character_is_not_continued() -> 
         assert await serve(UnifiedFlow(main), request) is None
         status, _, sent = request.responder._connection.response()
         assert status == 200 and sent.startswith(b"data: a\n\ndata: b\n\ndata: {\"error\"")
-        assert r2.requests == [] and migrations(main) == {"not_resumable": 1}
+        assert r2.requests == [] and migrations(main) == {"inside_character": 1}
     run(scenario())
 
 

@@ -332,6 +332,43 @@ def test_garbled_bytes_are_handed_out_as_soon_as_the_tokenizer_tells(tokenizer) 
     assert (trace.take(), trace.whole) == (twenty_six[:1], True)
 
 
+def test_held_tokens_handed_out_at_the_end_leave_the_stream_not_whole() -> None:
+    """6 begins a character when the reply ends: its chunk goes out with its id at last, and
+    the frame says the ids end inside a character (no continuation may follow them)."""
+    whole: list[bool] = []
+    sent, _ = _serve(_Engine([(5, "a"), (6, "")]), whole=whole)
+    assert sent == ["head", ("tokens", [5]), ("tokens", [6]), "data", "end"]
+    assert whole == [True, False]
+
+
+def test_a_merged_output_hands_out_a_held_tail_that_cannot_be_one_character() -> None:
+    """Text completes the first token of an output of five; the four after it end without
+    text, more than one character's unfinished part can be: they go out too, not whole."""
+    trace = TokenTrace(streams_ids=True)
+    trace.add([1, 2, 3, 4, 5], "x", lambda ids: len(ids) - 1)
+    assert (trace.take(), trace.holding, trace.whole) == ([1, 2, 3, 4, 5], False, False)
+    trace = TokenTrace(streams_ids=True)  # two of them could still be one character: held
+    trace.add([1, 2, 3], "x", lambda ids: len(ids) - 1)
+    assert (trace.take(), trace.holding, trace.whole) == ([1], True, True)
+
+
+class _ByteFallback:
+    """Decodes as SentencePiece's byte fallback does: one U+FFFD per byte of an unfinished
+    character (ids 0-255 are bytes)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        data = bytes(ids)
+        text = data.decode(errors="ignore")
+        return text if text.encode() == data else text + "\ufffd" * (len(data) - len(text.encode()))
+
+
+def test_a_tokenizer_that_cannot_tell_garbled_bytes_leaves_the_bound_alone() -> None:
+    assert garbled_tail(_ByteFallback()) is None  # "\u20ac"[:2] decodes to two U+FFFD there
+
+
 @pytest.mark.parametrize("body,expected", [
     ({}, False), ({"logprobs": None}, False), ({"logprobs": False}, False),
     ({"logprobs": 0}, True), ({"logprobs": True, "top_logprobs": 2}, True),
