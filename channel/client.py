@@ -30,11 +30,9 @@ class ReplyStream:
     """One request's reply as it arrives. `head` resolves to a Head, or to Refused when the
     replica did not take the request; `end` to the reply's Usage. Both fail with LinkLost or
     ReplyFailed. Bytes go to the sink once one is attached, and are kept until then. `ids` are
-    the generated tokens of the bytes received so far (requests that track their tokens);
-    `whole` whether they end after a complete character (else no continuation may follow them).
-    """
+    the generated tokens of the bytes received so far (requests that track their tokens)."""
 
-    __slots__ = ("id", "_link", "head", "end", "_sink", "_kept", "ids", "whole")
+    __slots__ = ("id", "_link", "head", "end", "_sink", "_kept", "ids")
 
     def __init__(self, stream_id: int, link: ReplicaLink, loop: asyncio.AbstractEventLoop) -> None:
         self.id, self._link = stream_id, link
@@ -43,7 +41,6 @@ class ReplyStream:
         self._sink: Sink | None = None
         self._kept: list[tuple[bytes, bool]] = []
         self.ids: list[int] = []
-        self.whole = True
 
     @property
     def replica(self) -> str:
@@ -168,7 +165,6 @@ class ReplicaLink(asyncio.Protocol):
         elif kind == Kind.TOKENS:
             tokens = frames.decode(Kind.TOKENS, payload)
             stream.ids += tokens.ids
-            stream.whole = tokens.whole
             stream._data(tokens.chunk, True)
         elif kind == Kind.HEAD:
             stream.head.set_result(frames.decode(Kind.HEAD, payload))

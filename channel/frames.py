@@ -81,7 +81,6 @@ class Usage(msgspec.Struct, array_like=True, frozen=True):
 class Tokens(msgspec.Struct, array_like=True, frozen=True):
     chunk: bytes  # as in TOKEN
     ids: list[int]  # the generated tokens it carries (possibly several, or none yet displayed)
-    whole: bool = True  # the stream's tokens so far end after a complete character (resumable)
 
 
 class Refused(msgspec.Struct, array_like=True, frozen=True):

@@ -38,10 +38,9 @@ class Reply:
     def data(self, chunk: bytes, token: bool = False) -> None:
         self._connection.send(Kind.TOKEN if token else Kind.DATA, self._stream, chunk)
 
-    def tokens(self, chunk: bytes, ids: list[int], whole: bool = True) -> None:
-        """Token-carrying bytes with the ids they carry (a request that tracks its tokens);
-        `whole`: all ids sent so far end after a complete character."""
-        self._connection.send(Kind.TOKENS, self._stream, frames.encode(Tokens(chunk, ids, whole)))
+    def tokens(self, chunk: bytes, ids: list[int]) -> None:
+        """Token-carrying bytes with the ids they carry (a request that tracks its tokens)."""
+        self._connection.send(Kind.TOKENS, self._stream, frames.encode(Tokens(chunk, ids)))
 
     def end(self, usage: Usage) -> None:
         self.done = True

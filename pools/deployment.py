@@ -187,14 +187,12 @@ class PoolReplica:
         resume = request.resume
         meter = StreamMeter(keep_usage, resumed=None if resume is None else len(resume))
         tracked, streaming = request.track_tokens, False
+        trace = TokenTrace(resume or ()) if tracked or resume is not None else None
         # A tracked stream whose chunks carry each token's logprobs or id: they wait here while
         # their tokens wait for their text (TokenTrace), and reach the client with the ids the
         # gateway counts as its own, so a continuation repeats none. (Other chunks of such
-        # tokens carry empty text, which a continuation may repeat harmlessly.) Tokens that
-        # make no character do not wait: the stream then is not `whole` and is not continued.
+        # tokens carry empty text, which a continuation may repeat harmlessly.)
         holds = tracked and per_token_data(body)
-        trace = TokenTrace(resume or (), streams_ids=holds) \
-            if tracked or resume is not None else None
         held: list[bytes] = []
         with self._counted_on(request.rank):
             async for item in self._engine.reply(request.endpoint, body, trace, request.rank):
@@ -208,20 +206,20 @@ class PoolReplica:
                             held.append(chunk)
                         elif held:
                             held.append(chunk)
-                            reply.tokens(b"".join(held), trace.take(), trace.whole)
+                            reply.tokens(b"".join(held), trace.take())
                             held.clear()
                         else:  # the common case: nothing waits, no copy
-                            reply.tokens(chunk, trace.take(), trace.whole)
+                            reply.tokens(chunk, trace.take())
                     elif chunk:
                         if held:  # nothing overtakes the held chunks
-                            reply.tokens(b"".join(held), trace.rest(), trace.whole)
+                            reply.tokens(b"".join(held), trace.rest())
                             held.clear()
                         reply.data(chunk, token)
                 else:
                     meter.usage = usage_of(item)  # zeros for an error body
                     reply.data(item)
         if held:
-            reply.tokens(b"".join(held), trace.rest(), trace.whole)
+            reply.tokens(b"".join(held), trace.rest())
         reply.end(meter.usage)
 
     @contextmanager

@@ -44,13 +44,6 @@ class ReplyHead(msgspec.Struct, frozen=True):
     replica_id: str = ""
 
 
-# The unfinished part of a character is at most 3 bytes (UTF-8 characters have 4 at most), so
-# at most 3 tokens. More tokens without text hold bytes no later token makes a character of, or
-# (rarely) one token both ends a character and begins the next: handed out then, they cost only
-# the chance to continue the stream (gateway.migration) until text comes.
-MAX_UNFINISHED_TOKENS = 3
-
-
 class TokenTrace:
     """The generated tokens of one streamed request (one choice), as the engine produces them,
     handed out only once the text they make has been produced too.
@@ -60,28 +53,19 @@ class TokenTrace:
     the client has in full, or the part-character would be lost between two engines: `take`
     holds such tokens back until the text that completes them.
 
-    Where the client sees each token as it comes (`streams_ids`: token ids or logprobs in every
-    chunk), that hold is bounded: tokens that can no longer become a character (an invalid byte
-    sequence, which a model can emit for as long as it likes, and vLLM then emits no text) are
-    handed out as they come, and `whole` turns False until text comes again. A stream is not
-    continued while it is not whole (gateway.migration).
-
     `resume` makes the request a continuation: those tokens were generated before (elsewhere)
     and become part of its prompt; the engine generates what is left of `max_tokens`.
     """
 
-    __slots__ = ("resume", "whole", "_streams_ids", "_ready", "_pending")
+    __slots__ = ("resume", "_ready", "_pending")
 
-    def __init__(self, resume: tuple[int, ...] = (), streams_ids: bool = False) -> None:
+    def __init__(self, resume: tuple[int, ...] = ()) -> None:
         self.resume = resume
-        self.whole = True  # the tokens handed out end after a complete character
-        self._streams_ids = streams_ids
         self._ready: list[int] = []
         self._pending: list[int] = []
 
     def add(self, ids: Iterable[int], text: str,
-            unfinished: Callable[[Sequence[int]], int] | None = None,
-            garbled: Callable[[Sequence[int]], bool] | None = None) -> None:
+            unfinished: Callable[[Sequence[int]], int] | None = None) -> None:
         """One engine output's tokens and the text it produced (empty: their text is pending).
 
         An output can hold several steps (vLLM merges the deltas its reader has not taken yet):
@@ -89,36 +73,18 @@ class TokenTrace:
         character. `unfinished` tells how many of the tokens pending, these included, end
         without their text (the engine's tokenizer decides); without it, text completes them
         all. Example: ids [850, 100], text "26", 100 the first byte of a 3-byte character ->
-        850 ready, 100 pending.
-
-        `garbled` tells whether tokens pending without text hold bytes that no later token
-        makes a character of (more than one U+FFFD); without it, more than
-        MAX_UNFINISHED_TOKENS of them do. Example (`streams_ids`): bytes 0xC5, 0xC5 -> both
-        ready, `whole` False (0xC5 begins a character and 0xC5 cannot continue it).
-        """
+        850 ready, 100 pending."""
         pending = self._pending
         pending.extend(ids)
-        if not self.whole:  # a run of bytes that make no character: handed out as it comes
-            self._ready += pending
-            self._pending = []
-            # text from an output of one step completes every token before it
-            self.whole = bool(text) and (unfinished is None or len(pending) == 1
-                                         or not unfinished(pending))
+        if not text:
             return
-        if text:
-            held = unfinished(pending) if unfinished is not None and len(pending) > 1 else 0
-            cut = len(pending) - held
-            self._ready += pending[:cut]
-            self._pending = pending = pending[cut:]
-        if self._streams_ids and pending and (len(pending) > MAX_UNFINISHED_TOKENS
-                                              or (garbled is not None and garbled(pending))):
-            self._ready += pending
-            self._pending = []
-            self.whole = False
+        held = unfinished(pending) if unfinished is not None and len(pending) > 1 else 0
+        cut = len(pending) - held
+        self._ready += pending[:cut]
+        self._pending = pending[cut:]
 
     def take(self) -> list[int]:
-        """The tokens whose text was produced since the last call (with `streams_ids`, also
-        those that will make no character)."""
+        """The tokens whose text was produced since the last call."""
         ids, self._ready = self._ready, []
         return ids
 
@@ -129,9 +95,7 @@ class TokenTrace:
 
     def rest(self) -> list[int]:
         """Every token not taken yet, the held ones too (the stream ended: none will be
-        continued; held ones end inside a character, so the stream is no longer whole)."""
-        if self._pending:
-            self.whole = False
+        continued)."""
         ids, self._ready, self._pending = self._ready + self._pending, [], []
         return ids
 

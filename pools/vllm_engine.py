@@ -251,41 +251,15 @@ def unfinished_tail(tokenizer: Any) -> Callable[[Sequence[int]], int]:
     return unfinished
 
 
-def garbled_tail(tokenizer: Any) -> Callable[[Sequence[int]], bool] | None:
-    """Whether tokens whose text vLLM withholds (the decoded string ends in U+FFFD) hold bytes
-    that no later token makes a character of: where the unfinished part of one character
-    decodes to a single U+FFFD (byte-level BPE), an invalid sequence before it decodes to more.
-    Example (byte-level BPE): [byte 0xE2, byte 0x82] -> False (two of the euro sign's three
-    bytes); [byte 0xC5, byte 0xC5] -> True (0xC5 begins a character; 0xC5 cannot continue it).
-
-    None where the tokenizer's decoding cannot tell: SentencePiece's byte fallback writes one
-    U+FFFD per byte of an unfinished character, valid or not. Checked on characters the
-    tokenizer splits into 3 tokens or more (their first tokens are an unfinished character);
-    without one, None too, and TokenTrace's bound of MAX_UNFINISHED_TOKENS applies alone."""
-
-    def decode(ids: Sequence[int]) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    for character in ("\u20ac", "\u4e2d", "\U0001f600"):
-        ids = tokenizer.encode(character, add_special_tokens=False)
-        if len(ids) >= 3 and decode(ids) == character:
-            if decode(ids[:-1]) != "\ufffd":
-                return None
-            return lambda ids: decode(ids).count("\ufffd") > 1
-    return None
-
-
 def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None,
-            unfinished: Callable[[Sequence[int]], int] | None = None,
-            garbled: Callable[[Sequence[int]], bool] | None = None
+            unfinished: Callable[[Sequence[int]], int] | None = None
             ) -> Callable[..., AsyncIterator[Any]]:
     """`AsyncLLM.generate` as vLLM's serving layer calls it, on the request's data-parallel rank
     (the router's choice; None: the engine's own balancer picks) and with its TokenTrace, which
     sees every output before the serving layer turns it into bytes; `experts` counts the experts
     every request was routed to. Untraced requests of an engine that counts no experts get the
     engine's own generator. `unfinished` (unfinished_tail) splits an output that merged several
-    steps at its last complete character, and `garbled` (garbled_tail) tells when tokens
-    without text will make none."""
+    steps at its last complete character."""
 
     def generate_traced(prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
                         ) -> AsyncIterator[Any]:
@@ -297,21 +271,20 @@ def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | N
         if trace is not None and trace.resume:
             prompt, params = _resumed(prompt, params, trace.resume)
         return _follow(generate(prompt, params, request_id, *args, **kwargs), trace, experts,
-                       unfinished, garbled)
+                       unfinished)
 
     return generate_traced
 
 
 async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace | None,
                   experts: ExpertLoad | None = None,
-                  unfinished: Callable[[Sequence[int]], int] | None = None,
-                  garbled: Callable[[Sequence[int]], bool] | None = None
+                  unfinished: Callable[[Sequence[int]], int] | None = None
                   ) -> AsyncIterator[Any]:
     try:
         async for output in outputs:  # DELTA outputs: the tokens and text since the last one
             choice = output.outputs[0]
             if trace is not None:
-                trace.add(choice.token_ids, choice.text, unfinished, garbled)
+                trace.add(choice.token_ids, choice.text, unfinished)
             if experts is not None and output.finished:
                 for each in output.outputs:
                     if getattr(each, "routed_experts", None) is not None:
@@ -382,8 +355,7 @@ class VllmEngine:
         tokenizer = self._llm.tokenizer  # None with skip_tokenizer_init: no text to split
         self._llm.generate = _traced(  # what vLLM's serving layer calls
             self._llm.generate, self.experts,
-            unfinished_tail(tokenizer) if tokenizer is not None else None,
-            None if tokenizer is None else garbled_tail(tokenizer))
+            unfinished_tail(tokenizer) if tokenizer is not None else None)
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
         # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
         # (a routing target) has its own share

@@ -47,9 +47,7 @@ class RouterMetrics:
             "tokenfab_router_migrations",
             "Streams whose replica failed after tokens reached the client, by outcome: resumed "
             "on another replica, or ended in-stream (not_resumable: the request cannot be "
-            "continued; inside_character: the client's tokens ended inside bytes that make no "
-            "character yet; exhausted: no retry or replica left; failed: the continuation "
-            "failed)",
+            "continued; exhausted: no retry or replica left; failed: the continuation failed)",
             ["pool", "outcome"], registry=registry)
         self.breaker_trips = Counter(
             "tokenfab_router_breaker_trips",

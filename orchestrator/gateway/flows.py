@@ -73,7 +73,6 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
     clock = TokenClock(call, lambda: pool.service.first_token(key.request_id))
     failed: set[str] = set()
     sent: list[int] = []  # the tokens the client has
-    whole = True  # they end after a complete character (see gateway.migration)
     while True:
         try:
             deadline = call.deadline if request.resume is None \
@@ -85,7 +84,6 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
             finally:
                 pool.finished(key)
                 sent += stream.ids
-                whole = stream.whole
         except ReplicaFailed as exc:
             pool.failed(exc.replica)
             failed.add(exc.replica)
@@ -95,13 +93,12 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
                 if retry:
                     continue
                 raise
-            if resumable and retry and whole:
+            if resumable and retry:
                 pool.service.migration("resumed")
                 request = Request(call.endpoint, _encode(continuation_body(body)),
                                   track_tokens=True, resume=tuple(sent))
                 continue
-            pool.service.migration("not_resumable" if not resumable
-                                   else "inside_character" if not whole else "exhausted")
+            pool.service.migration("exhausted" if resumable else "not_resumable")
             end_in_stream(call, exc)
             return None
         except GatewayError as exc:

@@ -13,14 +13,7 @@ What the continuation cannot reproduce ends in-stream, as it would without migra
   choice's;
 - stop strings: vLLM holds back text that could begin one, so the client has less text than its
   tokens carry, and the held text would be lost;
-- tools: the tool-call parser is part-way through the reply;
-- a failure while the client's tokens end inside bytes that make no character (an invalid
-  UTF-8 sequence, which a model can emit for as long as it likes). vLLM emits no text for them
-  and would answer a continuation after them with the prompt's text (vllm-project/vllm#48853).
-  Where the client sees every token's id or logprobs, such tokens are not held back until text
-  comes, which could be the end of the reply: they stream (`ReplyStream.whole` is False) and the
-  stream is not continued until a complete character follows them (outcome
-  `inside_character`).
+- tools: the tool-call parser is part-way through the reply.
 
 Sampling continues with the same settings. Greedy requests continue with the tokens an
 uninterrupted run gives, as far as the engine's arithmetic is the same for a prompt computed at

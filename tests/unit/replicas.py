@@ -28,7 +28,6 @@ class Step:
     payload: bytes = b""
     usage: Usage = field(default_factory=Usage)
     ids: list[int] = field(default_factory=list)  # the token ids a token step carries
-    complete: bool = True  # the ids so far end after a complete character (Tokens.whole)
 
 
 def whole(status: int, body: dict[str, Any], usage: Usage = Usage()) -> list[Step]:
@@ -87,7 +86,7 @@ class ScriptedReplica:
                 if step.kind == "head":
                     reply.head(step.status, step.streaming, self.name)
                 elif step.kind == "token" and request.track_tokens:
-                    reply.tokens(step.payload, step.ids, step.complete)
+                    reply.tokens(step.payload, step.ids)
                 elif step.kind in ("data", "token"):
                     reply.data(step.payload, step.kind == "token")
                 elif step.kind == "end":

@@ -392,25 +392,6 @@ def test_a_stream_cut_before_any_token_text_is_continued_from_no_tokens() -> Non
     run(scenario())
 
 
-def test_a_stream_cut_inside_bytes_that_make_no_character_is_not_continued() -> None:
-    """The client has token 2, whose bytes make no character (the replica streamed it rather
-    than hold it, Tokens.whole False): a continuation after it would begin with the prompt's
-    text (gateway.migration), so the stream ends in band instead."""
-    async def scenario() -> None:
-        garbled = streamed(b"data: a\n\n", b"data: b\n\n")[:3] + [Step("fail")]
-        garbled[2].complete = False
-        r1 = await ScriptedReplica("r1", garbled).start()
-        r2 = await ScriptedReplica("r2", streamed(b"data: c\n\n", first_id=3)).start()
-        main = pool("main", r1, r2, retries=1, service=counted())
-        await connected(main)
-        request = call(BODY)
-        assert await serve(UnifiedFlow(main), request) is None
-        status, _, sent = request.responder._connection.response()
-        assert status == 200 and sent.startswith(b"data: a\n\ndata: b\n\ndata: {\"error\"")
-        assert r2.requests == [] and migrations(main) == {"inside_character": 1}
-    run(scenario())
-
-
 @pytest.mark.parametrize("retries, continuation, outcome", [
     (1, None, "exhausted"),  # r2 fails the continuation too, and no retry is left
     (2, [Step("head", 400), Step("data", payload=b'{"error": "no"}'), Step("end")], "failed"),

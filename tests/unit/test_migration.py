@@ -17,7 +17,7 @@ from orchestrator.gateway.migration import continuation_body, not_resumable
 from pools.engine import ReplyHead, TokenTrace, per_token_data
 from pools.usage import StreamMeter
 from pools.tiny_model import _hf_tokenizer
-from pools.vllm_engine import _resumed, _traced, garbled_tail, unfinished_tail
+from pools.vllm_engine import _resumed, _traced, unfinished_tail
 from tokenfab.errors import EngineDeadError
 
 STREAM = {"model": "tiny", "prompt": "x", "stream": True}
@@ -199,7 +199,6 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes, list[int] | None]] = []
-        self.whole: list[bool] = []  # each TOKENS frame's
 
     def head(self, status: int, streaming: bool, replica_id: str) -> None:
         self.sent.append(("head", b"", None))
@@ -207,9 +206,8 @@ class _Recorder:
     def data(self, chunk: bytes, token: bool = False) -> None:
         self.sent.append(("data", chunk, None))
 
-    def tokens(self, chunk: bytes, ids: list[int], whole: bool = True) -> None:
+    def tokens(self, chunk: bytes, ids: list[int]) -> None:
         self.sent.append(("tokens", chunk, ids))
-        self.whole.append(whole)
 
     def end(self, usage) -> None:
         self.sent.append(("end", b"", None))
@@ -237,8 +235,8 @@ class _Engine:
         yield b"data: [DONE]\n\n"
 
 
-def _serve(engine: _Engine, body: bytes = b'{"prompt": [1], "stream": true, "logprobs": 0}',
-           whole: list[bool] | None = None) -> tuple[list, BaseException | None]:
+def _serve(engine: _Engine, body: bytes = b'{"prompt": [1], "stream": true, "logprobs": 0}'
+           ) -> tuple[list, BaseException | None]:
     from pools.deployment import PoolReplica
 
     class Bare(PoolReplica):  # no engine started, none to stop
@@ -253,8 +251,6 @@ def _serve(engine: _Engine, body: bytes = b'{"prompt": [1], "stream": true, "log
         asyncio.run(replica.serve(request, reply))
     except EngineDeadError as exc:
         error = exc
-    if whole is not None:
-        whole += reply.whole
     return [(kind, ids) if kind == "tokens" else kind for kind, _, ids in reply.sent], error
 
 
@@ -285,88 +281,6 @@ def test_chunks_without_data_per_token_are_not_held() -> None:
     assert sent == ["head", ("tokens", [5]), ("tokens", []), ("tokens", [6, 7]), "data", "end"]
     sent, _ = _serve(_Engine(steps), b'{"prompt": [1], "stream": true, "return_token_ids": true}')
     assert sent == ["head", ("tokens", [5]), ("tokens", [6, 7]), "data", "end"]
-
-
-def test_tokens_that_make_no_character_stream_and_the_stream_is_not_whole_meanwhile() -> None:
-    """A model can emit bytes that never make a character (and vLLM then no text) to the end of
-    its reply. Held, the client would get them all at the end: past MAX_UNFINISHED_TOKENS
-    without text they go out, marked not whole, and so on until text comes. Without per-token
-    data nothing is held, and their ids wait for text as before (a continuation from the last
-    complete character repeats only empty-text chunks)."""
-    steps = [(5, "a"), (6, ""), (7, ""), (8, ""), (9, ""), (10, ""), (11, "\ufffd\ufffdb")]
-    whole: list[bool] = []
-    sent, _ = _serve(_Engine(steps), whole=whole)
-    assert sent == ["head", ("tokens", [5]), ("tokens", [6, 7, 8, 9]), ("tokens", [10]),
-                    ("tokens", [11]), "data", "end"]
-    assert whole == [True, False, False, True]
-    whole.clear()
-    sent, _ = _serve(_Engine(steps), b'{"prompt": [1], "stream": true}', whole=whole)
-    assert sent == ["head", ("tokens", [5])] + [("tokens", [])] * 5 + [
-        ("tokens", [6, 7, 8, 9, 10, 11]), "data", "end"]
-    assert all(whole)
-
-
-def test_garbled_bytes_are_handed_out_as_soon_as_the_tokenizer_tells(tokenizer) -> None:
-    """With the engine's tokenizer, bytes that cannot continue a character are known at once:
-    0xC5 begins a 2-byte character, so a second 0xC5 leaves the first one garbled. The first
-    two bytes of the euro sign wait for its third."""
-    unfinished, garbled = unfinished_tail(tokenizer), garbled_tail(tokenizer)
-    c5 = tokenizer.convert_tokens_to_ids("\u00c5")  # byte 0xC5 in the byte-level alphabet
-    euro = tokenizer.encode("\u20ac", add_special_tokens=False)
-    assert tokenizer.decode([c5]) == "\ufffd" and len(euro) == 3
-    assert not garbled([c5]) and garbled([c5, c5]) and not garbled(euro[:2])
-    trace = TokenTrace(streams_ids=True)
-    trace.add(euro[:1], "", unfinished, garbled)
-    trace.add(euro[1:2], "", unfinished, garbled)
-    assert (trace.take(), trace.holding, trace.whole) == ([], True, True)
-    trace.add(euro[2:], "\u20ac", unfinished, garbled)
-    assert (trace.take(), trace.whole) == (euro, True)
-    trace.add([c5], "", unfinished, garbled)
-    assert (trace.take(), trace.holding) == ([], True)
-    trace.add([c5], "", unfinished, garbled)
-    assert (trace.take(), trace.holding, trace.whole) == ([c5, c5], False, False)
-    trace.add([c5], "", unfinished, garbled)  # not whole: handed out at once
-    assert (trace.take(), trace.whole) == ([c5], False)
-    twenty_six = tokenizer.encode("26", add_special_tokens=False)
-    trace.add(twenty_six[:1], "\ufffd\ufffd\ufffd2", unfinished, garbled)
-    assert (trace.take(), trace.whole) == (twenty_six[:1], True)
-
-
-def test_held_tokens_handed_out_at_the_end_leave_the_stream_not_whole() -> None:
-    """6 begins a character when the reply ends: its chunk goes out with its id at last, and
-    the frame says the ids end inside a character (no continuation may follow them)."""
-    whole: list[bool] = []
-    sent, _ = _serve(_Engine([(5, "a"), (6, "")]), whole=whole)
-    assert sent == ["head", ("tokens", [5]), ("tokens", [6]), "data", "end"]
-    assert whole == [True, False]
-
-
-def test_a_merged_output_hands_out_a_held_tail_that_cannot_be_one_character() -> None:
-    """Text completes the first token of an output of five; the four after it end without
-    text, more than one character's unfinished part can be: they go out too, not whole."""
-    trace = TokenTrace(streams_ids=True)
-    trace.add([1, 2, 3, 4, 5], "x", lambda ids: len(ids) - 1)
-    assert (trace.take(), trace.holding, trace.whole) == ([1, 2, 3, 4, 5], False, False)
-    trace = TokenTrace(streams_ids=True)  # two of them could still be one character: held
-    trace.add([1, 2, 3], "x", lambda ids: len(ids) - 1)
-    assert (trace.take(), trace.holding, trace.whole) == ([1], True, True)
-
-
-class _ByteFallback:
-    """Decodes as SentencePiece's byte fallback does: one U+FFFD per byte of an unfinished
-    character (ids 0-255 are bytes)."""
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        data = bytes(ids)
-        text = data.decode(errors="ignore")
-        return text if text.encode() == data else text + "\ufffd" * (len(data) - len(text.encode()))
-
-
-def test_a_tokenizer_that_cannot_tell_garbled_bytes_leaves_the_bound_alone() -> None:
-    assert garbled_tail(_ByteFallback()) is None  # "\u20ac"[:2] decodes to two U+FFFD there
 
 
 @pytest.mark.parametrize("body,expected", [
