@@ -26,7 +26,7 @@ from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import (Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace,
-                          openai_error, per_token_data)
+                          openai_error)
 from pools.kv_event_ranks import rank_endpoint
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
 from pools.registry import REPORT_INTERVAL_S, RankReport, Registry, ReplicaReport
@@ -188,12 +188,6 @@ class PoolReplica:
         meter = StreamMeter(keep_usage, resumed=None if resume is None else len(resume))
         tracked, streaming = request.track_tokens, False
         trace = TokenTrace(resume or ()) if tracked or resume is not None else None
-        # A tracked stream whose chunks carry each token's logprobs or id: they wait here while
-        # their tokens wait for their text (TokenTrace), and reach the client with the ids the
-        # gateway counts as its own, so a continuation repeats none. (Other chunks of such
-        # tokens carry empty text, which a continuation may repeat harmlessly.)
-        holds = tracked and per_token_data(body)
-        held: list[bytes] = []
         with self._counted_on(request.rank):
             async for item in self._engine.reply(request.endpoint, body, trace, request.rank):
                 if isinstance(item, ReplyHead):
@@ -201,25 +195,13 @@ class PoolReplica:
                     reply.head(item.status, streaming, self._replica_id)
                 elif streaming:
                     chunk, token = meter.feed(item)
-                    if chunk and token and tracked:
-                        if holds and trace.holding:
-                            held.append(chunk)
-                        elif held:
-                            held.append(chunk)
-                            reply.tokens(b"".join(held), trace.take())
-                            held.clear()
-                        else:  # the common case: nothing waits, no copy
-                            reply.tokens(chunk, trace.take())
+                    if chunk and token and tracked:  # the ids go with the chunk that has them
+                        reply.tokens(chunk, trace.take())
                     elif chunk:
-                        if held:  # nothing overtakes the held chunks
-                            reply.tokens(b"".join(held), trace.rest())
-                            held.clear()
                         reply.data(chunk, token)
                 else:
                     meter.usage = usage_of(item)  # zeros for an error body
                     reply.data(item)
-        if held:
-            reply.tokens(b"".join(held), trace.rest())
         reply.end(meter.usage)
 
     @contextmanager

@@ -5,7 +5,7 @@ Everything above `pools/` (gateway, router, request flow) sees engines only thro
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -45,66 +45,32 @@ class ReplyHead(msgspec.Struct, frozen=True):
 
 
 class TokenTrace:
-    """The generated tokens of one streamed request (one choice), as the engine produces them,
-    handed out only once the text they make has been produced too.
+    """The generated tokens of one streamed request (one choice), as the engine produces them.
 
-    A token can be part of a character that a later token completes (byte-level vocabularies):
-    its text comes with that later token. A continuation must start after a token whose text
-    the client has in full, or the part-character would be lost between two engines: `take`
-    holds such tokens back until the text that completes them.
+    `take` hands out the tokens of the outputs since its last call; the replica sends them with
+    the chunk that carries them, so the gateway knows which tokens its client has. A token can
+    be part of a character that a later token completes (byte-level vocabularies): it is sent
+    at once all the same, with no text, as vLLM's own server sends it; a continuation from it
+    gets the character's text when it completes (pools.vllm_engine continues the detokenizer).
 
     `resume` makes the request a continuation: those tokens were generated before (elsewhere)
     and become part of its prompt; the engine generates what is left of `max_tokens`.
     """
 
-    __slots__ = ("resume", "_ready", "_pending")
+    __slots__ = ("resume", "_ready")
 
     def __init__(self, resume: tuple[int, ...] = ()) -> None:
         self.resume = resume
         self._ready: list[int] = []
-        self._pending: list[int] = []
 
-    def add(self, ids: Iterable[int], text: str,
-            unfinished: Callable[[Sequence[int]], int] | None = None) -> None:
-        """One engine output's tokens and the text it produced (empty: their text is pending).
-
-        An output can hold several steps (vLLM merges the deltas its reader has not taken yet):
-        its text may then complete only the first tokens, the last ones still part of a
-        character. `unfinished` tells how many of the tokens pending, these included, end
-        without their text (the engine's tokenizer decides); without it, text completes them
-        all. Example: ids [850, 100], text "26", 100 the first byte of a 3-byte character ->
-        850 ready, 100 pending."""
-        pending = self._pending
-        pending.extend(ids)
-        if not text:
-            return
-        held = unfinished(pending) if unfinished is not None and len(pending) > 1 else 0
-        cut = len(pending) - held
-        self._ready += pending[:cut]
-        self._pending = pending[cut:]
+    def add(self, ids: Iterable[int]) -> None:
+        """One engine output's tokens (several steps' when vLLM merged them)."""
+        self._ready.extend(ids)
 
     def take(self) -> list[int]:
-        """The tokens whose text was produced since the last call."""
+        """The tokens added since the last call."""
         ids, self._ready = self._ready, []
         return ids
-
-    @property
-    def holding(self) -> bool:
-        """Whether the last tokens added still wait for the text that completes them."""
-        return bool(self._pending)
-
-    def rest(self) -> list[int]:
-        """Every token not taken yet, the held ones too (the stream ended: none will be
-        continued)."""
-        ids, self._ready, self._pending = self._ready + self._pending, [], []
-        return ids
-
-
-def per_token_data(body: dict[str, Any]) -> bool:
-    """Whether a request's stream carries data per token besides its text: logprobs (a
-    completion's `logprobs`, even 0; a chat's `logprobs: true`) or token ids."""
-    logprobs = body.get("logprobs")
-    return (logprobs is not None and logprobs is not False) or bool(body.get("return_token_ids"))
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",

@@ -232,34 +232,60 @@ class ExpertLoad:
         self.tokens = counts.tolist()
 
 
-def unfinished_tail(tokenizer: Any) -> Callable[[Sequence[int]], int]:
-    """How many of the last tokens of `ids` (which begin after a complete character) make no
-    complete text yet: their bytes end inside a character, as vLLM's detokenizer sees them (it
-    emits no text while the decoded string ends in U+FFFD). A continuation must not start
-    there: the `tokenizers` DecodeStream that vLLM primes with the prompt answers its first
-    step with the whole prompt's text when the prompt ends inside a character
-    (vllm-project/vllm#48853).
-    Example (byte-level BPE): ["2", "6", byte 0xE2] -> 1; ["2", "6"] -> 0."""
+def continue_detokenizer(detokenizer: Any, prompt_token_ids: Sequence[int],
+                         resume: Sequence[int]) -> None:
+    """Make the detokenizer of a resumed request (its prompt: the client's, then `resume`) the
+    one the original request had after generating `resume`: primed with the client's prompt,
+    then stepped through those tokens as if it had generated them. vLLM primes it with both as
+    one prompt, and the client holds every token it was sent, the first bytes of a character
+    among them; primed with ids that end inside a character, the `tokenizers` DecodeStream
+    answers its first step with the whole prompt's text (vllm-project/vllm#48853) and vLLM's
+    slow detokenizer drops the character. Example: prompt "price:", resume [" ", the first
+    byte of "€"], then the engine generates the character's last bytes: the first text is "€",
+    not "price: €"."""
+    import tokenizers.decoders
+    from vllm.tokenizers.detokenizer_utils import convert_prompt_ids_to_tokens
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, SlowIncrementalDetokenizer
 
-    def unfinished(ids: Sequence[int]) -> int:
-        for held in range(len(ids)):
-            text = tokenizer.decode(list(ids[:len(ids) - held]), skip_special_tokens=False)
-            if not text.endswith("\ufffd"):
-                return held
-        return len(ids)
+    prompt = list(prompt_token_ids[:len(prompt_token_ids) - len(resume)])
+    if isinstance(detokenizer, FastIncrementalDetokenizer):
+        detokenizer.stream = tokenizers.decoders.DecodeStream(
+            ids=prompt, skip_special_tokens=detokenizer.skip_special_tokens)
+        for token in resume:
+            detokenizer.decode_next(token)
+    elif isinstance(detokenizer, SlowIncrementalDetokenizer):
+        detokenizer.tokens, detokenizer.prefix_offset, detokenizer.read_offset = \
+            convert_prompt_ids_to_tokens(detokenizer.tokenizer, prompt,
+                                         skip_special_tokens=detokenizer.skip_special_tokens)
+        del detokenizer.token_ids[len(prompt):]
+        for token in resume:  # its update() adds each id before decoding it
+            detokenizer.token_ids.append(token)
+            detokenizer.decode_next(token)
 
-    return unfinished
+
+def _continuing(add_request: Callable[..., None], states: dict[str, Any]
+                ) -> Callable[..., None]:
+    """`OutputProcessor.add_request`, which creates a request's detokenizer before the engine
+    sees the request: a resumed one (its TokenTrace's `resume`) gets its detokenizer continued
+    (continue_detokenizer)."""
+
+    def add(request: Any, *args: Any, **kwargs: Any) -> None:
+        add_request(request, *args, **kwargs)
+        trace = _TRACE.get()
+        state = states.get(request.request_id) if trace is not None and trace.resume else None
+        if state is not None and state.detokenizer is not None:
+            continue_detokenizer(state.detokenizer, request.prompt_token_ids, trace.resume)
+
+    return add
 
 
-def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None,
-            unfinished: Callable[[Sequence[int]], int] | None = None
+def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None
             ) -> Callable[..., AsyncIterator[Any]]:
     """`AsyncLLM.generate` as vLLM's serving layer calls it, on the request's data-parallel rank
     (the router's choice; None: the engine's own balancer picks) and with its TokenTrace, which
     sees every output before the serving layer turns it into bytes; `experts` counts the experts
     every request was routed to. Untraced requests of an engine that counts no experts get the
-    engine's own generator. `unfinished` (unfinished_tail) splits an output that merged several
-    steps at its last complete character."""
+    engine's own generator."""
 
     def generate_traced(prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
                         ) -> AsyncIterator[Any]:
@@ -270,21 +296,17 @@ def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | N
             return generate(prompt, params, request_id, *args, **kwargs)
         if trace is not None and trace.resume:
             prompt, params = _resumed(prompt, params, trace.resume)
-        return _follow(generate(prompt, params, request_id, *args, **kwargs), trace, experts,
-                       unfinished)
+        return _follow(generate(prompt, params, request_id, *args, **kwargs), trace, experts)
 
     return generate_traced
 
 
 async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace | None,
-                  experts: ExpertLoad | None = None,
-                  unfinished: Callable[[Sequence[int]], int] | None = None
-                  ) -> AsyncIterator[Any]:
+                  experts: ExpertLoad | None = None) -> AsyncIterator[Any]:
     try:
         async for output in outputs:  # DELTA outputs: the tokens and text since the last one
-            choice = output.outputs[0]
             if trace is not None:
-                trace.add(choice.token_ids, choice.text, unfinished)
+                trace.add(output.outputs[0].token_ids)
             if experts is not None and output.finished:
                 for each in output.outputs:
                     if getattr(each, "routed_experts", None) is not None:
@@ -352,10 +374,10 @@ class VllmEngine:
             stat_loggers=[self._recorder.factory, BufferedRayStatLogger],
             disable_log_stats=False,
         )
-        tokenizer = self._llm.tokenizer  # None with skip_tokenizer_init: no text to split
-        self._llm.generate = _traced(  # what vLLM's serving layer calls
-            self._llm.generate, self.experts,
-            unfinished_tail(tokenizer) if tokenizer is not None else None)
+        # what vLLM's serving layer calls, and where it makes each request's detokenizer
+        self._llm.generate = _traced(self._llm.generate, self.experts)
+        processor = self._llm.output_processor
+        processor.add_request = _continuing(processor.add_request, processor.request_states)
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
         # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
         # (a routing target) has its own share

@@ -81,6 +81,30 @@ def test_streamed_completion_equals_non_streamed(http: httpx.Client) -> None:
         whole["usage"]["prompt_tokens"], 32)
 
 
+def test_tokens_that_make_no_character_stream_as_they_come(http: httpx.Client) -> None:
+    """Byte 0xC5 over and over is no UTF-8: vLLM sends no text for it, only the token ids. The
+    replica used to hold such chunks for text that never came, and the client got the whole
+    reply at once at its end; they stream, one per step like vLLM's own server."""
+    from pools.tiny_model import _hf_tokenizer
+
+    c5 = _hf_tokenizer(seed=0).convert_tokens_to_ids("\u00c5")  # the tiny model's vocabulary
+    body = {"model": MODEL, "prompt": "Bytes:", "max_tokens": 48, "temperature": 0,
+            "logit_bias": {str(c5): 100}, "stream": True, "return_token_ids": True}
+    arrivals, ids, text = [], [], ""
+    with http.stream("POST", "/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                arrivals.append(time.monotonic())
+                ids += choice["token_ids"]
+                text += choice["text"]
+    assert ids == [c5] * 48 and text == ""
+    # a decode step (milliseconds) between chunks; held, all 48 came within 0.16 ms
+    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
+    assert sum(gap > 0.001 for gap in gaps) > len(gaps) / 2, gaps
+
+
 def test_openai_client_completions_chat_and_streaming(deployment: Deployment) -> None:
     client = openai.OpenAI(base_url=deployment.base_url, api_key="unused", max_retries=0,
                            http_client=httpx.Client(trust_env=False))

@@ -14,10 +14,10 @@ from vllm import SamplingParams
 
 from channel.frames import Request, Usage
 from orchestrator.gateway.migration import continuation_body, not_resumable
-from pools.engine import ReplyHead, TokenTrace, per_token_data
+from pools.engine import ReplyHead, TokenTrace
 from pools.usage import StreamMeter
 from pools.tiny_model import _hf_tokenizer
-from pools.vllm_engine import _resumed, _traced, unfinished_tail
+from pools.vllm_engine import _continuing, _resumed, _traced, continue_detokenizer
 from tokenfab.errors import EngineDeadError
 
 STREAM = {"model": "tiny", "prompt": "x", "stream": True}
@@ -130,7 +130,7 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
                 closed.append(True)
         return outputs()
 
-    traced = _traced(generate, unfinished=lambda ids: int(ids[-1] == 9))  # 9: a lead byte
+    traced = _traced(generate)
 
     async def scenario() -> None:
         from pools import vllm_engine
@@ -147,9 +147,8 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
             if len(seen) == 3:
                 break
         await outputs.aclose()
-        # 6 is part of a character that 7 completes: handed out with 7's text, not before; 9,
-        # merged into 7's output, begins a character that output's text does not complete
-        assert seen == [[5], [], [6, 7]] and trace.holding
+        # every token as it comes, with its text or not (6 is part of a character 7 completes)
+        assert seen == [[5], [6], [7, 9]]
         assert closed == [True]  # the engine's generator closed
         assert calls[-1] == ({"type": "token", "prompt_token_ids": [1, 2, 3, 4]}, 7, "b",
                              {"priority": 1})
@@ -157,41 +156,103 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
     asyncio.run(scenario())
 
 
-def test_an_output_of_merged_steps_hands_out_only_tokens_whose_text_is_complete() -> None:
-    """vLLM merges the deltas its reader has not taken yet: one output can carry the token that
-    made "26" and the first byte of the next character. That byte is not the client's yet."""
-    inside = {100, 101}  # bytes after which a character is not complete yet, say
-
-    def unfinished(ids: list[int]) -> int:
-        return next(held for held in range(len(ids) + 1)
-                    if held == len(ids) or ids[-1 - held] not in inside)
-
-    trace = TokenTrace()
-    trace.add([850, 100], "26", unfinished)
-    assert (trace.take(), trace.holding) == ([850], True)
-    trace.add([101], "", unfinished)
-    trace.add([102, 70], "\u20aca", unfinished)  # completes the character, and one more
-    assert (trace.take(), trace.holding) == ([100, 101, 102, 70], False)
-    trace.add([7, 8], "xy")  # without a tokenizer: text completes every token
-    assert trace.take() == [7, 8]
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return _hf_tokenizer(seed=0)  # the tiny model's byte-level BPE
 
 
-def test_the_unfinished_tail_is_the_bytes_after_the_last_complete_character(tokenizer) -> None:
-    unfinished = unfinished_tail(tokenizer)
-    euro = tokenizer.encode("\u20ac", add_special_tokens=False)  # 3 bytes
-    twenty_six = tokenizer.encode("26", add_special_tokens=False)
-    assert len(euro) > 1 and "\ufffd" in tokenizer.decode(euro[:1])
-    assert unfinished(twenty_six) == 0
-    assert unfinished(twenty_six + euro[:1]) == 1
-    assert unfinished(twenty_six + euro[:-1]) == len(euro) - 1
-    assert unfinished(twenty_six + euro) == 0
-    assert unfinished(euro[:1]) == 1
-    assert unfinished([tokenizer.eos_token_id]) == 0
+def _detokenizer(kind: str, tokenizer, prompt: list[int]):
+    """vLLM's own detokenizer of a request with this prompt, as its output processor makes it."""
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, SlowIncrementalDetokenizer
+
+    request = SimpleNamespace(request_id="r", prompt_token_ids=prompt, prompt_embeds=None,
+                              sampling_params=SamplingParams(max_tokens=64))
+    if kind == "fast":
+        return FastIncrementalDetokenizer(tokenizer, request)
+    return SlowIncrementalDetokenizer(tokenizer, request)
+
+
+def _steps(detokenizer, ids: list[int]) -> str:
+    """The text a streaming client gets for `ids`, one step each, the stream not finished."""
+    text = ""
+    for token in ids:
+        detokenizer.update([token], stop_terminated=False)
+        text += detokenizer.get_next_output_text(finished=False, delta=True)
+    return text
+
+
+def _texts(detokenizer, ids: list[int]) -> str:
+    """The same, then the stream's end."""
+    return _steps(detokenizer, ids) + detokenizer.get_next_output_text(finished=True, delta=True)
+
+
+def _generated(tokenizer) -> list[int]:
+    """Tokens a byte-level model can generate: a 3-byte character split over 3 tokens, bytes
+    that make no character (0xC5 0xC5: vLLM sends their ids with no text), plain words."""
+    euro = tokenizer.encode(" \u20ac5", add_special_tokens=False)
+    c5 = tokenizer.convert_tokens_to_ids("\u00c5")
+    assert len(euro) >= 4 and "\ufffd" in tokenizer.decode(euro[:2])
+    return tokenizer.encode(" price", add_special_tokens=False) + euro + [c5, c5] + \
+        tokenizer.encode(" ok then", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("kind", ["fast", "slow"])
+def test_a_continued_detokenizer_gives_the_text_an_uninterrupted_one_gives(tokenizer,
+                                                                          kind: str) -> None:
+    """Cut after every token, inside characters too: the text sent before the cut, then the
+    continuation's (its prompt the client's then the tokens it has), is the uninterrupted
+    stream's text."""
+    prompt, generated = tokenizer.encode("The cost", add_special_tokens=False), \
+        _generated(tokenizer)
+    whole = _texts(_detokenizer(kind, tokenizer, prompt), generated)
+    assert whole == tokenizer.decode(generated) and "\u20ac" in whole
+    for cut in range(1, len(generated)):
+        before = _detokenizer(kind, tokenizer, prompt)
+        sent = _steps(before, generated[:cut])
+        resumed = _detokenizer(kind, tokenizer, prompt + generated[:cut])
+        continue_detokenizer(resumed, prompt + generated[:cut], generated[:cut])
+        assert sent + _texts(resumed, generated[cut:]) == whole, cut
+
+
+def test_vllm_alone_answers_a_prompt_ending_inside_a_character_with_the_prompt(tokenizer) -> None:
+    """Why continue_detokenizer exists (vllm-project/vllm#48853): primed with a prompt that ends
+    inside a character, the first text is the prompt's text too. When this fails, vLLM fixed it."""
+    prompt, generated = tokenizer.encode("The cost", add_special_tokens=False), \
+        _generated(tokenizer)
+    cut = next(i for i in range(1, len(generated))
+               if tokenizer.decode(generated[:i]).endswith("\ufffd"))
+    resumed = _detokenizer("fast", tokenizer, prompt + generated[:cut])
+    assert _texts(resumed, generated[cut:]).startswith("The cost")
+
+
+def test_only_a_resumed_request_gets_its_detokenizer_continued(tokenizer) -> None:
+    from pools import vllm_engine
+
+    states, added = {}, []
+
+    def add_request(request, prompt, *args):
+        added.append(request.request_id)
+        states[request.request_id] = SimpleNamespace(
+            detokenizer=_detokenizer("fast", tokenizer, request.prompt_token_ids))
+
+    add = _continuing(add_request, states)
+    prompt, generated = tokenizer.encode("The cost", add_special_tokens=False), \
+        _generated(tokenizer)
+    cut = next(i for i in range(1, len(generated))
+               if tokenizer.decode(generated[:i]).endswith("\ufffd"))
+
+    async def scenario() -> tuple[str, str]:
+        vllm_engine._TRACE.set(TokenTrace(resume=tuple(generated[:cut])))
+        add(SimpleNamespace(request_id="resumed", prompt_token_ids=prompt + generated[:cut]), None)
+        vllm_engine._TRACE.set(None)
+        add(SimpleNamespace(request_id="new", prompt_token_ids=prompt), None)
+        return (_texts(states["resumed"].detokenizer, generated[cut:]),
+                _texts(states["new"].detokenizer, generated))
+
+    resumed, new = asyncio.run(scenario())
+    assert added == ["resumed", "new"]
+    assert new == tokenizer.decode(generated)
+    assert not resumed.startswith("The cost") and new.endswith(resumed)
 
 
 class _Recorder:
@@ -230,7 +291,7 @@ class _Engine:
         for n, (token, text) in enumerate(self.steps):
             if n == self.fail_after:
                 raise EngineDeadError("engine died")
-            trace.add([token], text)
+            trace.add([token])
             yield _chunk(token, text)
         yield b"data: [DONE]\n\n"
 
@@ -254,39 +315,21 @@ def _serve(engine: _Engine, body: bytes = b'{"prompt": [1], "stream": true, "log
     return [(kind, ids) if kind == "tokens" else kind for kind, _, ids in reply.sent], error
 
 
-def test_a_tokens_chunk_waits_with_its_tokens_for_their_text() -> None:
-    """6 and 7 are parts of a character that 8 completes: their chunks (their logprobs) reach
-    the gateway with 8's, and with the ids the gateway then counts as the client's. At the
-    stream's end, a held token goes out before [DONE]."""
-    steps = [(5, "a"), (6, ""), (7, ""), (8, "b"), (9, "")]
-    sent, error = _serve(_Engine(steps))
-    assert error is None
-    assert sent == ["head", ("tokens", [5]), ("tokens", [6, 7, 8]), ("tokens", [9]), "data",
-                    "end"]
+def test_a_tokens_chunk_goes_out_at_once_with_its_ids_text_or_not() -> None:
+    """6 and 7 are parts of a character that 8 completes: their chunks (their logprobs, no text)
+    reach the gateway as they come, as vLLM's own server sends them, with their ids."""
+    steps = [(5, "a"), (6, ""), (7, ""), (8, "b")]
+    for body in (b'{"prompt": [1], "stream": true, "logprobs": 0}',
+                 b'{"prompt": [1], "stream": true}'):
+        sent, error = _serve(_Engine(steps), body)
+        assert error is None
+        assert sent == ["head", ("tokens", [5]), ("tokens", [6]), ("tokens", [7]),
+                        ("tokens", [8]), "data", "end"]
 
 
-def test_chunks_held_when_the_engine_dies_never_reach_the_client() -> None:
-    """The engine dies after 6 (part of a character): the client has 5 alone, its chunk and its
-    id, so the continuation starts after 5 and repeats no token's logprobs."""
+def test_the_client_has_a_part_character_token_sent_before_the_engine_died() -> None:
+    """The engine dies after 6 (part of a character): the gateway counts 5 and 6 as the
+    client's, so the continuation starts after 6 and repeats none of them."""
     sent, error = _serve(_Engine([(5, "a"), (6, ""), (7, "b")], fail_after=2))
     assert isinstance(error, EngineDeadError)
-    assert sent == ["head", ("tokens", [5])]
-
-
-def test_chunks_without_data_per_token_are_not_held() -> None:
-    """Without logprobs or token ids, a part-character token's chunk carries empty text: it goes
-    out at once (a continuation may repeat it harmlessly), and its id with the completing one."""
-    steps = [(5, "a"), (6, ""), (7, "b")]
-    sent, _ = _serve(_Engine(steps), b'{"prompt": [1], "stream": true}')
-    assert sent == ["head", ("tokens", [5]), ("tokens", []), ("tokens", [6, 7]), "data", "end"]
-    sent, _ = _serve(_Engine(steps), b'{"prompt": [1], "stream": true, "return_token_ids": true}')
-    assert sent == ["head", ("tokens", [5]), ("tokens", [6, 7]), "data", "end"]
-
-
-@pytest.mark.parametrize("body,expected", [
-    ({}, False), ({"logprobs": None}, False), ({"logprobs": False}, False),
-    ({"logprobs": 0}, True), ({"logprobs": True, "top_logprobs": 2}, True),
-    ({"return_token_ids": True}, True), ({"return_token_ids": False}, False),
-])
-def test_per_token_data(body: dict, expected: bool) -> None:
-    assert per_token_data(body) is expected
+    assert sent == ["head", ("tokens", [5]), ("tokens", [6])]
