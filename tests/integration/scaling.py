@@ -66,12 +66,14 @@ def _decisions(topology: Topology) -> str:
 
 
 class Load:
-    """`clients` threads sending completions back to back; every status is kept.
-    `prompt(client, n)` makes each request's prompt."""
+    """`clients` threads sending completions back to back, or each at most one per `pace_s`
+    seconds; every status is kept. `prompt(client, n)` makes each request's prompt."""
 
     def __init__(self, root: str, clients: int, max_tokens: int,
-                 prompt: Callable[[int, int], str] = lambda i, n: f"autoscale {i} {n}") -> None:
+                 prompt: Callable[[int, int], str] = lambda i, n: f"autoscale {i} {n}",
+                 pace_s: float = 0.0) -> None:
         self._root, self._max_tokens, self._prompt = root, max_tokens, prompt
+        self._pace_s = pace_s
         self.statuses: list[int] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
@@ -81,6 +83,7 @@ class Load:
             n = 0
             while not self._stop.is_set():
                 n += 1
+                started = time.monotonic()
                 try:
                     response = http.post(f"{self._root}/v1/completions", json={
                         "model": "tiny", "prompt": self._prompt(index, n),
@@ -88,6 +91,8 @@ class Load:
                     self.statuses.append(response.status_code)
                 except httpx.HTTPError:
                     self.statuses.append(0)
+                if self._pace_s:
+                    self._stop.wait(max(0.0, self._pace_s - (time.monotonic() - started)))
 
     def answered_more(self, count: int, bound_s: float = 60) -> None:
         """Wait until `count` more requests than now have been answered."""

@@ -18,6 +18,7 @@ from tests.promql import scrape
 TOPOLOGY = ROOT / "tests/integration/topology-autoscale.yaml"
 SCALE_UP_BOUND_S = 120  # decision within ~1 s, then an engine start (40-60 s on 2 busy cores)
 SCALE_DOWN_BOUND_S = 60  # 5 s calm, then the drain of one replica
+TRICKLE_PACE_S = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,10 @@ def test_scales_up_under_load_and_down_after_without_failures(scaled: Topology) 
     assert heavy.statuses and set(heavy.statuses) == {200}, heavy.statuses
     decision = httpx.get(f"{root}/tokenfab/autoscaler", trust_env=False).json()
     assert decision and decision[0]["pool"] == "main"
-    with Load(root, clients=1, max_tokens=8) as trickle:  # calm, but never idle
+    # calm, but never idle: at most 4 req/s, under what one replica serves (capacity_rps 20,
+    # 13.9 req/s with the headroom counted twice); back to back, one client at the suite's
+    # priority sends 33 req/s, and the plan rightly kept 2 replicas
+    with Load(root, clients=1, max_tokens=8, pace_s=TRICKLE_PACE_S) as trickle:
         down_s = wait_for(scaled, "main", 1, SCALE_DOWN_BOUND_S)
         trickle.answered_more(2)  # and after the scale-down
     assert trickle.statuses and set(trickle.statuses) == {200}, trickle.statuses
