@@ -48,7 +48,7 @@ def _autogroup_nice() -> int | None:
 
 
 def _set_nice(group: int | None, process: int) -> None:
-    if group is not None and os.path.exists(AUTOGROUP):
+    if group is not None:  # None: a kernel without autogroups
         with open(AUTOGROUP, "w") as autogroup:
             autogroup.write(str(group))
     os.setpriority(os.PRIO_PROCESS, 0, process)
