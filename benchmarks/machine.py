@@ -42,8 +42,9 @@ def prioritise_client(nice: int) -> dict[str, Any]:
                "autogroup": autogroup.exists() and autogroup.read_text().strip() == "1",
                "client_session_leader": os.getsid(0) == os.getpid()}
     try:
-        Path("/proc/self/autogroup").write_text(str(nice))
         os.setpriority(os.PRIO_PROCESS, 0, nice)
+        if applied["autogroup"]:  # else a group's nice would not count
+            Path("/proc/self/autogroup").write_text(str(nice))
     except OSError as exc:
         print(f"WARNING: could not raise the client's priority ({exc}); its own CPU starvation "
               "may dominate latencies")

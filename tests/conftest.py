@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 # Before anything imports Ray: this process joins a loopback-only cluster (see orchestrator.cluster).
@@ -26,8 +27,9 @@ def pytest_configure(config: pytest.Config) -> None:
     do (`prioritise_client` in benchmarks/machine.py), the client's session group and the process
     itself (where autogroups are off) run at CLIENT_NICE, until the session ends."""
     try:
-        config._tokenfab_nice = (_autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0))
-        _set_nice(CLIENT_NICE, CLIENT_NICE)
+        before = (group := _autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0))
+        _set_nice(None if group is None else CLIENT_NICE, CLIENT_NICE)
+        config._tokenfab_nice = before
     except OSError as exc:
         config.issue_config_time_warning(pytest.PytestConfigWarning(
             f"could not raise the client's priority to nice {CLIENT_NICE} ({exc}): the stack "
@@ -40,18 +42,27 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _autogroup_nice() -> int | None:
+    """The nice of this process's session group; None where no autogroup applies."""
     try:
-        with open(AUTOGROUP) as autogroup:  # "/autogroup-176 nice 0"
-            return int(autogroup.read().split()[-1])
+        with open(AUTOGROUP) as autogroup:
+            return autogroup_nice(autogroup.read())
     except FileNotFoundError:  # a kernel without autogroups
         return None
 
 
+def autogroup_nice(text: str) -> int | None:
+    """Parse /proc/<pid>/autogroup ("/autogroup-176 nice 0"). It reads empty where the process's
+    session has no group of its own (the kernel's default group: autogroups off when the session
+    began, or booted `noautogroup`; so on CI), whose nice cannot be set: None, as without them."""
+    match = re.fullmatch(r"/autogroup-\d+ nice (-?\d+)\s*", text)
+    return int(match[1]) if match else None
+
+
 def _set_nice(group: int | None, process: int) -> None:
-    if group is not None:  # None: a kernel without autogroups
+    os.setpriority(os.PRIO_PROCESS, 0, process)
+    if group is not None:  # None: no session group to set
         with open(AUTOGROUP, "w") as autogroup:
             autogroup.write(str(group))
-    os.setpriority(os.PRIO_PROCESS, 0, process)
 
 
 def leftover_processes() -> list[str]:
