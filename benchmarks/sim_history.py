@@ -39,12 +39,16 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def run(policy: str, capacity: int | None, seed: int, params: profiles.EngineParams,
-        rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+        rows: list[dict[str, Any]], args: argparse.Namespace,
+        weights: dict[str, float] | None = None) -> dict[str, Any]:
+    """One replay of `args.seconds` at `args.rate` on `args.replicas` static replicas (`weights`:
+    the policy's scorer weights, its defaults where None), and what it counts."""
     times = arrivals([(args.seconds, args.rate)], seed)
     reqs = requests(params, rows, times, args.max_output_tokens)
     loop = EventLoop()
     bound = {"max_history_entries": capacity} if capacity else {}
-    sim = SimCluster(loop, params, policy, args.replicas, max_ongoing_requests=256, **bound)
+    sim = SimCluster(loop, params, policy, args.replicas, max_ongoing_requests=256,
+                     weights=weights, **bound)
     sim.submit(reqs)
     began = time.perf_counter()
     loop.run()
@@ -54,7 +58,7 @@ def run(policy: str, capacity: int | None, seed: int, params: profiles.EnginePar
     gap = np.array([r.itl_sum_s / r.itl_count if r.itl_count else 0.0 for r in counted])
     met = (ttft <= args.ttft_slo) & (gap <= args.itl_slo)
     gap_only = (ttft <= args.ttft_slo) & (gap > args.itl_slo)
-    missed = [r for r, miss in zip(counted, gap > args.itl_slo) if miss]
+    missed = [r for r, miss in zip(counted, gap_only) if miss]  # the gap alone missed
     return {
         "policy": policy, "max_history_entries": capacity, "seed": seed,
         "requests": len(counted),
