@@ -78,7 +78,7 @@ class RouterSpec(_Strict):
         description="Scorer weights replacing the policy's defaults (kv_aware: {ttft: 1, "
         "approx_prefix: 1, cache_room: 1}; "
         "prefix_approx: {approx_prefix: 1, queue: 0.5}). Scorers: prefix, approx_prefix, queue, "
-        "kv_usage, ttft, cache_room.",
+        "kv_usage, ttft, delay, cache_room.",
     )
     dp_ranks: Literal["route", "engine"] = Field(
         "route", description="Engines with data-parallel ranks (pools[].parallel.data > 1). "

@@ -60,6 +60,21 @@ class Candidate(msgspec.Struct, frozen=True):
                 + self.uncached_tokens(request))
         return self.overhead_s + work / max(self.prefill_tokens_per_s, 1.0)
 
+    def estimated_delay_s(self, request: RouteRequest) -> float:
+        """The waiting that placing the request here adds, summed over the replica's requests:
+        its own estimated TTFT, plus, for each request in flight there, the time its uncached
+        prefill takes. An engine step carries a running request's next token and a chunk of
+        prefill together, so every request running there (and every one queued ahead, which
+        runs by then) waits through this prefill one chunk at a time.
+
+        Example: a 2,048-token prompt at 4,000 tokens/s, in-flight cost 128, no overhead. a
+        holds 1,536 tokens, has 1,000 queued and 2 in flight: 0.442 + 2 x 512 / 4,000 = 0.698 s.
+        b holds nothing, has nothing queued and 4 in flight: 0.640 + 4 x 2,048 / 4,000 = 2.688 s.
+        """
+        uncached = self.uncached_tokens(request)
+        rate = max(self.prefill_tokens_per_s, 1.0)
+        return self.estimated_ttft_s(request) + self.in_flight * uncached / rate
+
 
 class Filter(Protocol):
     """Drops candidates that must not take the request. Must keep at least one when given any

@@ -24,8 +24,8 @@ DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
 }
 POLICIES = tuple(DEFAULT_WEIGHTS)
 DEFAULT_MAX_CANDIDATES = 64  # replicas scored per decision (about 5 us each); 0: all
-_PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft", "cache_room"})  # read the blocks
-_MAP_SCORERS = frozenset({"prefix", "ttft", "cache_room"})  # read the map fed by engine events
+_PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft", "cache_room", "delay"})  # read the blocks
+_MAP_SCORERS = frozenset({"prefix", "ttft", "cache_room", "delay"})  # read the map fed by engine events
 
 
 @dataclass

@@ -7,6 +7,8 @@ Formulas, for candidates c and request r (worked examples in each docstring):
   kv_usage       1 - c.kv_usage
   ttft           min over candidates of estimated TTFT / c's estimated TTFT, where TTFT is
                  overhead + (queued prefill + in_flight * cost + uncached) / prefill tokens/s
+  delay          the same ratio of TTFT + in_flight * uncached / prefill tokens/s: the request's
+                 own wait plus what its prefill makes the replica's requests wait
   cache_room     new * (1 + min fill) / (1 + c.cache_fill), where new is the share of the
                  prompt no candidate holds
 """
@@ -86,6 +88,24 @@ class TTFTScorer:
         return [best / estimate if estimate > 0 else 1.0 for estimate in estimates]
 
 
+class DelayScorer:
+    """The waiting the placement adds to everyone on the replica (see
+    Candidate.estimated_delay_s), relative to the best. `ttft` scores what this request waits;
+    this also counts what it makes the replica's running requests wait, so a long prompt that
+    no replica holds goes where the fewest requests are decoding.
+
+    Example (the estimates of Candidate.estimated_delay_s's example): a 0.698 s, b 2.688 s ->
+    [1.0, 0.260]; `ttft` alone scores them [1.0, 0.691].
+    """
+
+    name = "delay"
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        estimates = [c.estimated_delay_s(request) for c in candidates]
+        best = min(estimates, default=0.0)
+        return [best / estimate if estimate > 0 else 1.0 for estimate in estimates]
+
+
 class CacheRoomScorer:
     """Where a new prefix costs the least future reuse: the replica whose prefix cache has the
     most free or cold room (lowest `cache_fill`: blocks held, stored recently and queued, over
@@ -124,4 +144,4 @@ class OverloadFilter:
 
 
 SCORERS = {cls.name: cls for cls in (PrefixScorer, ApproxPrefixScorer, QueueScorer,
-                                     KVUsageScorer, TTFTScorer, CacheRoomScorer)}
+                                     KVUsageScorer, TTFTScorer, CacheRoomScorer, DelayScorer)}

@@ -193,7 +193,7 @@ class RoutingService:
         model's part only where a scorer reads it, or to explain a decision)."""
         block, prompt = key.block_size, key.prompt_tokens
         room = "cache_room" in self.policy.weights
-        modelled = explain or "ttft" in self.policy.weights
+        modelled = explain or not self.policy.weights.keys().isdisjoint(("ttft", "delay"))
         tracker, views, now = self._tracker, self._views, self._clock()
         params, load = tracker.ttft_params, tracker.load
         prior = _PRIOR

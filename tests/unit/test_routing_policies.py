@@ -11,8 +11,8 @@ from router.index import ReplicaId
 from router.pickers import MaxScorePicker, RoundRobinPicker
 from router.plugins import Candidate, RouteRequest
 from router.policies import build_policy
-from router.scorers import (ApproxPrefixScorer, CacheRoomScorer, KVUsageScorer, OverloadFilter,
-                            PrefixScorer, QueueScorer, TTFTScorer)
+from router.scorers import (ApproxPrefixScorer, CacheRoomScorer, DelayScorer, KVUsageScorer,
+                            OverloadFilter, PrefixScorer, QueueScorer, TTFTScorer)
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 REQ = RouteRequest(prompt_tokens=2048, block_size=128)
@@ -45,6 +45,18 @@ def cand(replica: str, **fields) -> Candidate:
      [(0.1 + 0.512) / (0.1 + 0.544), 1.0]),
     # A replica measured twice as fast halves its estimate.
     (TTFTScorer(), [cand("a", prefill_tokens_per_s=8000.0), cand("b")], [1.0, 0.5]),
+    # The docstring's example: b holds nothing and runs 4 requests, each of which would wait
+    # through the 2,048-token prefill: 0.640 + 2.048 s against a's 0.442 + 0.256 s ...
+    (DelayScorer(), [cand("a", cached_tokens=1536, queued_prefill_tokens=1000, in_flight=2),
+                     cand("b", in_flight=4)], [1.0, 0.698 / 2.688]),
+    # ... where the request's own wait alone favours a by less
+    (TTFTScorer(), [cand("a", cached_tokens=1536, queued_prefill_tokens=1000, in_flight=2),
+                    cand("b", in_flight=4)], [1.0, 0.442 / 0.640]),
+    # nothing in flight anywhere: the delay is the request's own TTFT
+    (DelayScorer(), [cand("a", cached_tokens=1536, queued_prefill_tokens=3000), cand("b")],
+     [0.512 / 0.878, 1.0]),
+    # a prompt held whole adds no prefill: the busy holder (0.256 s) beats the idle b (0.512 s)
+    (DelayScorer(), [cand("a", cached_tokens=2048, in_flight=8), cand("b")], [1.0, 0.5]),
     # The docstring's example: a new prompt goes where the cache has the most room ...
     (CacheRoomScorer(), [cand("a", cache_fill=1.5), cand("b", cache_fill=0.5)], [0.6, 1.0]),
     # ... and the room counts as much as the prompt is new (75% held on a).
@@ -64,6 +76,7 @@ def test_scorers_without_a_readable_prompt_do_not_divide_by_zero() -> None:
     empty = RouteRequest()
     assert PrefixScorer().score(empty, [cand("a", cached_tokens=5)]) == [0.0]
     assert TTFTScorer().score(empty, [cand("a"), cand("b")]) == [1.0, 1.0]
+    assert DelayScorer().score(empty, [cand("a"), cand("b")]) == [1.0, 1.0]
 
 
 @pytest.mark.parametrize(("in_flight", "kept"), [

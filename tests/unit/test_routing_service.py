@@ -274,3 +274,23 @@ def test_unscored_fallbacks_come_before_replicas_the_overload_filter_dropped() -
     assert service.rank(RouteKey("q0", 64, BLOCK, [1, 2, 3]), pool)[0] == pool[0]
     ranked = service.rank(RouteKey("q1", 64, BLOCK, [1, 2, 3]), pool)  # pool[0] is at 1 now
     assert ranked[-1] == pool[0] and sorted(ranked) == sorted(pool)
+
+
+def test_the_delay_score_sends_a_long_new_prompt_past_the_replica_running_most() -> None:
+    """a runs three requests (their prompts done), b has one 600-token prompt queued. A new
+    1,024-token prompt waits less on a (0.352 s against 0.438 s, the TTFT model's prior), but
+    on a three requests would wait through its prefill and on b one: `ttft` alone picks a,
+    `delay` b."""
+    def service_for(weights: dict[str, float]) -> RoutingService:
+        policy = build_policy("kv_aware", weights, rng=random.Random(0))
+        service = RoutingService("main", policy, PrefixBlockHasher, follow_events=False)
+        service.set_replicas([ReplicaView(replica=r, pool="main", block_size=BLOCK,
+                                          kv_blocks=1000) for r in (A, B)])
+        for i in range(3):
+            service.dispatched(RouteKey(f"running{i}", 0, BLOCK, []), A)
+        service.dispatched(RouteKey("queued", 600, BLOCK, []), B)
+        return service
+
+    new = RouteKey("new", 1024, BLOCK, list(range(100, 164)))
+    assert service_for({"ttft": 1.0}).rank(new, [A, B])[0] == A
+    assert service_for({"delay": 1.0}).rank(new, [A, B])[0] == B
