@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,19 +102,36 @@ def markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def replay_args(parser: argparse.ArgumentParser) -> None:
+    """The options of a steady replay on a static simulated pool (this and sim_placement.py)."""
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
     parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=45.0)
     parser.add_argument("--seconds", type=float, default=400.0)
     parser.add_argument("--warmup-s", type=float, default=100.0)
-    parser.add_argument("--bounds", default="250000,1000000,20000000",
-                        help="kv_aware's router.max_history_entries values to compare")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--ttft-slo", type=float, default=3.0)
     parser.add_argument("--itl-slo", type=float, default=0.1)
     parser.add_argument("--max-output-tokens", type=int, default=1024)
+
+
+def write(result: dict[str, Any], out: Path, script: str,
+          markdown: Callable[[dict[str, Any], str], str]) -> None:
+    """`result` as JSON at `out` and as Markdown beside it, naming the command that made them
+    (`--out` only where it is not the script's default, results/<script>.json)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    command = f"python benchmarks/{script}.py" + (
+        "" if out == RESULTS / f"{script}.json" else f" --out {out}")
+    out.with_suffix(".md").write_text(markdown(result, command))
+    print(out.with_suffix(".md").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    replay_args(parser)
+    parser.add_argument("--rate", type=float, default=45.0)
+    parser.add_argument("--bounds", default="250000,1000000,20000000",
+                        help="kv_aware's router.max_history_entries values to compare")
     parser.add_argument("--out", default=str(RESULTS / "sim_history.json"))
     args = parser.parse_args()
     params = profiles.load(args.profile)
@@ -125,15 +143,7 @@ def main() -> None:
             record = run(policy, bound, seed, params, rows, args)
             print(json.dumps(record), flush=True)
             records.append(record)
-    result = {"args": vars(args), "records": records}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    command = "python benchmarks/sim_history.py" + (
-        "" if out == RESULTS / "sim_history.json" else f" --out {args.out}")
-    out.with_suffix(".md").write_text(markdown(result, command))
-    print(out.with_suffix(".md").read_text())
-
+    write({"args": vars(args), "records": records}, Path(args.out), "sim_history", markdown)
 
 if __name__ == "__main__":
     main()
