@@ -24,8 +24,11 @@ DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
 }
 POLICIES = tuple(DEFAULT_WEIGHTS)
 DEFAULT_MAX_CANDIDATES = 64  # replicas scored per decision (about 5 us each); 0: all
-_PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft", "cache_room", "delay"})  # read the blocks
-_MAP_SCORERS = frozenset({"prefix", "ttft", "cache_room", "delay"})  # read the map fed by engine events
+# scorers that read the request's blocks; those that read the map fed by engine events; those
+# that read each replica's TTFT model
+_PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft", "delay", "cache_room"})
+_MAP_SCORERS = frozenset({"prefix", "ttft", "delay", "cache_room"})
+_MODEL_SCORERS = frozenset({"ttft", "delay"})
 
 
 @dataclass
@@ -76,6 +79,12 @@ class Policy:
     def reads_block_map(self) -> bool:
         """Whether ranking reads the KV block map (else no engine events are followed)."""
         return bool(_MAP_SCORERS & set(self.weights))
+
+    @property
+    def reads_ttft_model(self) -> bool:
+        """Whether ranking reads the replicas' fitted TTFT models (else candidates carry the
+        model's defaults, and no model is read per replica)."""
+        return bool(_MODEL_SCORERS & set(self.weights))
 
     def shortlist(self, replicas: Sequence[ReplicaId], *lookups: Mapping[ReplicaId, int],
                   ) -> tuple[list[ReplicaId], list[ReplicaId]]:

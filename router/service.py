@@ -193,7 +193,7 @@ class RoutingService:
         model's part only where a scorer reads it, or to explain a decision)."""
         block, prompt = key.block_size, key.prompt_tokens
         room = "cache_room" in self.policy.weights
-        modelled = explain or not self.policy.weights.keys().isdisjoint(("ttft", "delay"))
+        modelled = explain or self.policy.reads_ttft_model
         tracker, views, now = self._tracker, self._views, self._clock()
         params, load = tracker.ttft_params, tracker.load
         prior = _PRIOR
@@ -251,6 +251,7 @@ class RoutingService:
                 "overhead_s": round(float(c.overhead_s), 4),
                 "cache_fill": round(float(c.cache_fill), 4),
                 "estimated_ttft_s": round(float(c.estimated_ttft_s(request)), 6),
+                "estimated_delay_s": round(float(c.estimated_delay_s(request)), 6),
                 "score": round(float(scored.scores.get(c.replica, 0.0)), 6),
             } for c in candidates],
         }

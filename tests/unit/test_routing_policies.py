@@ -118,6 +118,22 @@ def test_round_robin_ranks_ids_in_the_same_turn_without_snapshots() -> None:
     assert not any(build_policy(name).ranks_ids for name in ("kv_aware", "least_loaded"))
 
 
+@pytest.mark.parametrize(("name", "weights", "blocks", "events", "model"), [
+    ("kv_aware", None, True, True, True),
+    ("kv_aware", {"delay": 1.0}, True, True, True),
+    ("kv_aware", {"approx_prefix": 1.0, "queue": 1.0}, True, False, False),
+    ("prefix_approx", None, True, False, False),
+    ("least_loaded", None, False, False, False),
+    ("round_robin", None, False, False, False),
+])
+def test_what_a_policy_reads(name, weights, blocks, events, model) -> None:
+    """The request's blocks, the engine-fed map and the replicas' TTFT models are read only
+    where a scorer needs them."""
+    policy = build_policy(name, weights)
+    assert (policy.uses_prefixes, policy.reads_block_map, policy.reads_ttft_model) \
+        == (blocks, events, model)
+
+
 @pytest.mark.parametrize(("policy", "candidates", "first"), [
     # kv_aware: affinity when the holder is not busy ...
     ("kv_aware", [cand("a", cached_tokens=1536, queued_prefill_tokens=1000), cand("b")], A),

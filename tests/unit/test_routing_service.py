@@ -276,21 +276,54 @@ def test_unscored_fallbacks_come_before_replicas_the_overload_filter_dropped() -
     assert ranked[-1] == pool[0] and sorted(ranked) == sorted(pool)
 
 
-def test_the_delay_score_sends_a_long_new_prompt_past_the_replica_running_most() -> None:
-    """a runs three requests (their prompts done), b has one 600-token prompt queued. A new
-    1,024-token prompt waits less on a (0.352 s against 0.438 s, the TTFT model's prior), but
-    on a three requests would wait through its prefill and on b one: `ttft` alone picks a,
-    `delay` b."""
-    def service_for(weights: dict[str, float]) -> RoutingService:
-        policy = build_policy("kv_aware", weights, rng=random.Random(0))
-        service = RoutingService("main", policy, PrefixBlockHasher, follow_events=False)
-        service.set_replicas([ReplicaView(replica=r, pool="main", block_size=BLOCK,
-                                          kv_blocks=1000) for r in (A, B)])
-        for i in range(3):
-            service.dispatched(RouteKey(f"running{i}", 0, BLOCK, []), A)
-        service.dispatched(RouteKey("queued", 600, BLOCK, []), B)
-        return service
+def _loaded(weights: dict[str, float], clock=time.monotonic, slow: ReplicaId | None = None,
+            ) -> RoutingService:
+    """Replicas a and b; `slow`'s first tokens measured 3x slower than the other's (10 each);
+    then a runs three requests (their prompts done) and b has one 600-token prompt queued."""
+    policy = build_policy("kv_aware", weights, rng=random.Random(0))
+    service = RoutingService("main", policy, PrefixBlockHasher, follow_events=False, clock=clock)
+    service.set_replicas([ReplicaView(replica=r, pool="main", block_size=BLOCK, kv_blocks=1000)
+                          for r in (A, B)])
+    if slow is not None:
+        for i in range(10):
+            for replica in (A, B):
+                service.dispatched(RouteKey(f"sample-{replica}{i}", 1000, BLOCK, []), replica)
+                clock.advance(0.81 if replica == slow else 0.27)
+                service.first_token(f"sample-{replica}{i}")
+                service.finished(f"sample-{replica}{i}")
+    for i in range(3):
+        service.dispatched(RouteKey(f"running{i}", 0, BLOCK, []), A)
+    service.dispatched(RouteKey("queued", 600, BLOCK, []), B)
+    return service
 
-    new = RouteKey("new", 1024, BLOCK, list(range(100, 164)))
-    assert service_for({"ttft": 1.0}).rank(new, [A, B])[0] == A
-    assert service_for({"delay": 1.0}).rank(new, [A, B])[0] == B
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+NEW = RouteKey("new", 1024, BLOCK, list(range(100, 164)))
+
+
+def test_the_delay_score_sends_a_long_new_prompt_past_the_replica_running_most() -> None:
+    """A new 1,024-token prompt waits less on a (0.372 s against 0.458 s at the TTFT model's
+    prior: 4,000 tokens/s, 128 tokens a request in flight, 0.02 s), but on a three requests
+    would wait through its prefill and on b one (1.140 s against 0.714 s in all): `ttft`
+    alone picks a, `delay` b."""
+    assert _loaded({"ttft": 1.0}).rank(NEW, [A, B])[0] == A
+    assert _loaded({"delay": 1.0}).rank(NEW, [A, B])[0] == B
+
+
+def test_the_delay_score_reads_each_replicas_fitted_ttft_model() -> None:
+    """The same, with b's first tokens measured 3x slower than a's: b's estimate grows past
+    a's (the explanation's numbers), and `rank` sees it too."""
+    service = _loaded({"delay": 1.0}, _Clock(), slow=B)
+    explained = {c["replica"]: c["estimated_delay_s"] for c in service.explain(NEW)["candidates"]}
+    assert explained[A] < explained[B]
+    assert service.rank(NEW, [A, B])[0] == A
