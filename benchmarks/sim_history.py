@@ -10,7 +10,8 @@ shapes at one steady rate on a static pool of simulated engines, kv_aware routin
 
 - the prefix-hit rate, TTFT p50/p90, the p90 of each request's mean inter-token gap;
 - SLO attainment (TTFT <= --ttft-slo and mean gap <= --itl-slo, as sim_autoscaling.py counts it)
-  and the requests that miss on the gap alone, with those requests' median prompt and output;
+  and the requests that miss on the gap alone, with those requests' median prompt and output
+  and the other prefills that ran on their replica while they decoded (`stalling_prefills`);
 - the history's peak size (at the bound: it forgets what it sent longest ago).
 
 Requests arriving in the first --warmup-s are served but not counted.
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from autoscaling import arrivals
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
+from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim_autoscaling import TRACE, requests
 
@@ -60,6 +64,7 @@ def run(policy: str, capacity: int | None, seed: int, params: profiles.EnginePar
     met = (ttft <= args.ttft_slo) & (gap <= args.itl_slo)
     gap_only = (ttft <= args.ttft_slo) & (gap > args.itl_slo)
     missed = [r for r, miss in zip(counted, gap_only) if miss]  # the gap alone missed
+    behind, during = stalling_prefills(missed, reqs)
     return {
         "policy": policy, "max_history_entries": capacity, "seed": seed,
         "requests": len(counted),
@@ -71,9 +76,35 @@ def run(policy: str, capacity: int | None, seed: int, params: profiles.EnginePar
         if missed else None,
         "gap_missed_output_p50": float(np.median([r.output_tokens for r in missed]))
         if missed else None,
+        "stalling_prefills_queued_behind": behind, "stalling_prefills_during_decode": during,
         "history_peak_entries": sim.peak_history_entries,
         "wall_s": wall,
     }
+
+
+def stalling_prefills(missed: list[SimRequest], requests: list[SimRequest]) -> tuple[int, int]:
+    """The other prefills that ran on each missed request's replica while it decoded (they
+    reached the engine before it finished and answered after its first token), counted as
+    (queued behind it: they reached the engine before its first token, so FCFS ran them as
+    soon as its own prefill ended; arrived during its decode).
+
+    Example: m prefills from 10 to 11 s and decodes to 11.5 s; o reaches the engine at 10.5 s
+    and answers at 11.4 s -> queued behind; one arriving at 11.2 s -> during its decode.
+    """
+    on: dict[str, list[SimRequest]] = defaultdict(list)
+    for r in requests:
+        if r.first_token is not None:
+            on[r.replica].append(r)
+    behind = during = 0
+    for m in missed:
+        end = m.finished if m.finished is not None else math.inf
+        for o in on[m.replica]:
+            if o is not m and o.engine_arrival < end and o.first_token > m.first_token:
+                if o.engine_arrival < m.first_token:
+                    behind += 1
+                else:
+                    during += 1
+    return behind, during
 
 
 def markdown(result: dict[str, Any], command: str) -> str:
@@ -87,8 +118,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"{a['itl_slo']:g} s. Simulated engines, tokenfab's real router (see sim/README.md).", "",
         "| policy | history bound (pairs) | seed | hit rate | TTFT p50 / p90 (s) | mean gap p90 (s) "
         "| SLO attainment | missed on the gap alone | their prompt / output p50 (tokens) "
+        "| prefills stalling them: queued behind / arrived during decode "
         "| history peak (pairs) | wall (s) |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in result["records"]:
         bound = "-" if r["policy"] == "round_robin" else f"{r['max_history_entries']:,}"
@@ -98,6 +130,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
             f"| {r['policy']} | {bound} | {r['seed']} | {r['hit_rate']:.3f} | "
             f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} | {r['itl_mean_p90_s']:.3f} | "
             f"{r['slo_attainment']:.4f} | {r['missed_on_gap_only']} | {missed} | "
+            f"{r['stalling_prefills_queued_behind']} / {r['stalling_prefills_during_decode']} | "
             f"{r['history_peak_entries']:,} | {r['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -144,6 +177,7 @@ def main() -> None:
             print(json.dumps(record), flush=True)
             records.append(record)
     write({"args": vars(args), "records": records}, Path(args.out), "sim_history", markdown)
+
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,9 @@ prefill takes (their decode steps share every engine step with it). The variants
 Each replays the Mooncake trace's shapes at one steady Poisson rate on a static pool of simulated
 engines (tokenfab's real router code, see sim/README.md), the requests of the first --warmup-s
 served but not counted, and reports the hit rate, TTFT p50/p90, SLO attainment (as
-sim_autoscaling.py counts it) and the requests missed on the inter-token gap alone.
+sim_autoscaling.py counts it), the requests missed on the inter-token gap alone, and the other
+prefills that ran on their replica while they decoded: queued behind them (FCFS ran them right
+after their prefill) or arrived during their decode (sim_history.stalling_prefills).
 
     .venv/bin/python benchmarks/sim_placement.py   # writes benchmarks/results/sim_placement.*
 """
@@ -68,16 +70,19 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"<= {a['ttft_slo']:g} s and mean inter-token gap <= {a['itl_slo']:g} s. Simulated "
         "engines, tokenfab's real router (see sim/README.md).", "",
         "| rate (req/s) | variant | seed | hit rate | TTFT p50 / p90 (s) | mean gap p90 (s) "
-        "| SLO attainment | missed on the gap alone | requests |",
-        "|---:|---|---:|---:|---|---:|---:|---:|---:|",
+        "| SLO attainment | missed on the gap alone "
+        "| prefills stalling them: queued behind / arrived during decode | requests |",
+        "|---:|---|---:|---:|---|---:|---:|---:|---|---:|",
     ]
     for r in result["records"]:
         lines.append(
             f"| {r['rate']:g} | {r['variant']} | {r['seed']} | {r['hit_rate']:.3f} | "
             f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} | {r['itl_mean_p90_s']:.4f} | "
-            f"{r['slo_attainment']:.4f} | {r['missed_on_gap_only']} | {r['requests']} |")
+            f"{r['slo_attainment']:.4f} | {r['missed_on_gap_only']} | "
+            f"{r['stalling_prefills_queued_behind']} / {r['stalling_prefills_during_decode']} | "
+            f"{r['requests']} |")
     lines += ["", "Against `kv_aware` as shipped, same rate and seed (hit rate and SLO attainment "
-              "as differences in points, TTFT p50 as a ratio):", ""]
+              "as differences in points, TTFT p50 and p90 as ratios):", ""]
     base = {(r["rate"], r["seed"]): r for r in result["records"] if r["variant"] == "kv_aware"}
     for r in result["records"]:
         b = base.get((r["rate"], r["seed"]))
@@ -87,7 +92,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
             f"- {r['rate']:g} req/s, seed {r['seed']}, {r['variant']}: hit rate "
             f"{100 * (r['hit_rate'] - b['hit_rate']):+.1f}, SLO attainment "
             f"{100 * (r['slo_attainment'] - b['slo_attainment']):+.2f}, TTFT p50 "
-            f"{r['ttft_p50_s'] / b['ttft_p50_s']:.2f}x")
+            f"{r['ttft_p50_s'] / b['ttft_p50_s']:.3f}x, p90 "
+            f"{r['ttft_p90_s'] / b['ttft_p90_s']:.3f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -108,6 +114,7 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs) as pool:
         records = list(pool.map(one, jobs))
     write({"args": vars(args), "records": records}, Path(args.out), "sim_placement", markdown)
+
 
 if __name__ == "__main__":
     main()
