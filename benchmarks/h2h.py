@@ -23,6 +23,12 @@ all threads: `dataplane_cpu_ms_per_token` is the data path's CPU (router or Serv
 vLLM API servers or pool replicas; not the `VLLM::` engine processes) per output token, and
 `background_cpu_pct` is Ray's own daemons as % of one core (see process_cpu.py for the rule).
 
+First, the floor: each request alone, in trace order, straight to one idle vLLM server of the
+same settings whose KV cache holds every block of the sample (so each gets the infinite-cache
+bound's hits), one output token. Behind any router on these engines a request's first token comes
+no sooner, so neither does any TTFT percentile; the ratios say how far each system is from it, and
+whether a target set against a baseline lies below it.
+
 The client runs in a scheduling group of its own at a raised priority and each stack in one
 session (one group) of its own, so no system gains or loses by how it groups its processes (see
 `machine.prioritise_client`). The machine is shared, so before each replay the script waits (up
@@ -32,7 +38,7 @@ to 5 min) until processes outside the stack under test use under 15% of a core, 
 every process it saw.
 
     .venv/bin/python benchmarks/h2h.py [--rates 1.4,3.5] [--kv-cache 24MiB] [--trace FILE]
-        [--systems sglang-router,vllm-router,tokenfab] [--policies round_robin,...] [--limit N]
+        [--systems floor,sglang-router,vllm-router,tokenfab] [--policies round_robin,...] [--limit N]
         [--profile DIR]
 
 About 20 minutes on 2 cores. Writes benchmarks/results/h2h.json, and h2h.md and h2h.png beside it
@@ -79,6 +85,7 @@ MODEL = "~/.cache/tokenfab/models/tiny-llama"
 SETUPS = (("sglang-router", "round_robin"), ("sglang-router", "cache_aware"),
           ("vllm-router", "cache_aware"), ("tokenfab", "round_robin"), ("tokenfab", "kv_aware"))
 ENGINE_PORTS, ROUTER_PORT, PROMETHEUS_PORT, GATEWAY_PORT = (8141, 8142), 8151, 8161, 8031
+FLOOR_PORT, FLOOR_PASSES = 8143, 2
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6393",
            "dashboard_url": "http://127.0.0.1:8281", "num_cpus": 2,
            "serve_control_loop_s": 0.5}  # as deploy/topologies/local.yaml
@@ -100,8 +107,8 @@ class Front:
 
 # --- Requests ---------------------------------------------------------------------------------
 
-def body(prompt: str) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+def body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True}
 
@@ -143,6 +150,15 @@ async def replay(url: str, requests: list[dict[str, Any]], prompts: Prompts,
         return list(await asyncio.gather(*tasks))
 
 
+async def one_at_a_time(url: str, requests: list[dict[str, Any]],
+                        prompts: Prompts) -> list[dict[str, Any]]:
+    """Each request alone, in trace order, the next sent when the last has its first token
+    (one output token each: the floor's TTFTs)."""
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+        return [await one_request(client, body(prompts.prompt(row), max_tokens=1))
+                for row in requests]
+
+
 def warm_up(url: str, requests: list[dict[str, Any]], prompts: Prompts) -> bool:
     """A few requests through the front; True when every chunk carried token ids."""
     results = asyncio.run(replay(url, requests[:4], prompts, rate=4.0))
@@ -165,6 +181,13 @@ def wait_ready(url: str, process: Process | None, timeout_s: float, path: str) -
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url}{path} not ready after {timeout_s:g} s")
         time.sleep(1.0)
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """Keys and values of one token in every layer, from the model's config (bfloat16)."""
+    config = json.loads((Path(model).expanduser() / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
 
 
 # --- Measuring one run ------------------------------------------------------------------------
@@ -342,6 +365,39 @@ class Bench:
                       "namespace": namespace, "other_cpu_pct_before": round(quiet, 1),
                       "other_cpu_pct": 100 * other / run["window_s"]}
 
+    def floor(self, kv_bytes: int, logs: Path) -> dict[str, Any]:
+        """What no router in front of these engines can beat: each request alone on an idle
+        engine of the same settings whose cache holds everything it has seen (so every request
+        gets the infinite-cache bound's hits), straight to vLLM's own server. A request's TTFT
+        behind any router is at least its TTFT here, so every percentile is too. The passes are
+        in fresh namespaces; a request's floor is its fastest pass (drift only lowers it)."""
+        blocks = len({b for row in self.requests for b in row["hash_ids"][:MAX_BLOCKS]})
+        blocks += 2 * len(self.requests)  # each request's output, and room to spare
+        big = max(kv_bytes, blocks * BLOCK_TOKENS * kv_bytes_per_token(MODEL))
+        session = Session()
+        url = f"http://127.0.0.1:{FLOOR_PORT}"
+        try:
+            print(f"floor: one vLLM server with a {big >> 20} MiB KV cache, requests one at a time")
+            engine = start_engine(session, str(Path(MODEL).expanduser()), 0, FLOOR_PORT, big, logs)
+            wait_ready(url, engine, 900, "/health")
+            warm_up(url, self.requests, Prompts(self.words, 9_000))
+            passes = [asyncio.run(one_at_a_time(url, self.requests,
+                                                Prompts(self.words, 9_001 + i)))
+                      for i in range(FLOOR_PASSES)]
+        finally:
+            session.close()
+        bad = [r for run in passes for r in run if r["status"] != 200 or not r["chunks"]]
+        if bad:
+            raise RuntimeError(f"floor: {len(bad)} requests failed: {bad[0]['error']}")
+        ttft = [min(run[i]["chunks"][0][0] for run in passes) for i in range(len(self.requests))]
+        usages = [r["usage"] for r in passes[0]]
+        prompt = sum(u.get("prompt_tokens", 0) for u in usages)
+        cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                     for u in usages)
+        return {"ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
+                "ttft_p99_s": _pct(ttft, 99), "hit_rate": cached / prompt if prompt else 0.0,
+                "passes": FLOOR_PASSES, "kv_cache_bytes": big, "ttft_s": ttft}
+
     def baselines(self, setups: list[tuple[str, str]], kv_bytes: int, logs: Path) -> None:
         session = Session()
         engines = [start_engine(session, str(Path(MODEL).expanduser()), core, port, kv_bytes,
@@ -408,8 +464,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the root sample")
     parser.add_argument("--rates", default="1.4,3.5", help="req/s, comma-separated")
     parser.add_argument("--kv-cache", default="24MiB", help="KV cache bytes per engine")
-    parser.add_argument("--systems", default="sglang-router,vllm-router,tokenfab",
-                        help="only these systems")
+    parser.add_argument("--systems", default="floor,sglang-router,vllm-router,tokenfab",
+                        help="only these systems; floor: each request alone on one idle engine "
+                        "that holds every block it has seen (what no router can beat)")
     parser.add_argument("--policies", default="", help="only these policies (default: all)")
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--out", default=str(RESULTS / "h2h.json"),
@@ -432,7 +489,7 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     systems, policies = args.systems.split(","), set(filter(None, args.policies.split(",")))
     setups = [s for s in SETUPS if s[0] in systems and (not policies or s[1] in policies)]
-    if not setups:
+    if not setups and "floor" not in systems:
         parser.error("no (system, policy) left to run")
     stray = stray_processes()
     if stray:
@@ -444,17 +501,19 @@ def main() -> None:
     bench = Bench(args, requests, single_token_words(str(Path(MODEL).expanduser())), rates)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
+    floor = bench.floor(kv_bytes, logs) if "floor" in systems else None
     baselines = [s for s in setups if s[0] != "tokenfab"]
     if baselines:
         bench.baselines(baselines, kv_bytes, logs)
     ours = [policy for system, policy in setups if system == "tokenfab"]
     if ours:
         bench.tokenfab(ours)
-    write(bench, args, requests, kv_bytes, stray, time.monotonic() - began, scheduling)
+    write(bench, args, requests, kv_bytes, stray, time.monotonic() - began, scheduling, floor)
 
 
 def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]], kv_bytes: int,
-          stray: list[str], duration: float, scheduling: dict[str, Any]) -> None:
+          stray: list[str], duration: float, scheduling: dict[str, Any],
+          floor: dict[str, Any] | None) -> None:
     chunks_ok = all(n is not None for run in bench.runs for r in run["results"]
                     for _, n in r["chunks"])
     mode = "token_ids" if all(bench.token_ids.values()) and chunks_ok else "chunks"
@@ -463,7 +522,8 @@ def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]]
     result = {
         "records": records,
         "bound_hit_rate": upper_bound_hit_rate(requests),
-        "ratios": ratios(records),
+        "floor": floor,
+        "ratios": ratios(records, floor),
         "command": f"{prefix}python benchmarks/h2h.py {shlex.join(sys.argv[1:])}".strip(),
         "itl_mode": mode,
         "itl_definition": (

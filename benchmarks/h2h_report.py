@@ -19,7 +19,7 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a is not None and b else "n/a"
 
 
-def ratios(records: list[dict[str, Any]]) -> list[str]:
+def ratios(records: list[dict[str, Any]], floor: dict[str, Any] | None = None) -> list[str]:
     lines = []
     for rate in sorted({r["rate_rps"] for r in records}):
         ours, theirs = _get(records, "tokenfab", "round_robin", rate), \
@@ -37,6 +37,20 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{rate:g} req/s, tokenfab kv_aware / sglang-router cache_aware: "
                          f"TTFT p90 {_ratio(ours['ttft_p90_s'], theirs['ttft_p90_s'])}, "
                          f"hit rate {_ratio(ours['hit_rate'], theirs['hit_rate'])}")
+            if floor:
+                target = 0.8 * theirs["ttft_p90_s"]
+                lines.append(
+                    f"{rate:g} req/s, 0.8x cache_aware's TTFT p90 is {target:.3f} s, "
+                    f"{_ratio(target, floor['ttft_p90_s'])}x the floor's p90 "
+                    f"({floor['ttft_p90_s']:.3f} s)"
+                    + (": below what any router can reach" if target < floor["ttft_p90_s"]
+                       else ""))
+        if floor:
+            here = [r for r in records if r["rate_rps"] == rate]
+            if here:
+                lines.append(f"{rate:g} req/s, TTFT p90 over the floor's: " + ", ".join(
+                    f"{r['system']} {r['policy']} {_ratio(r['ttft_p90_s'], floor['ttft_p90_s'])}"
+                    for r in here))
         base = [r for r in records if r["rate_rps"] == rate and r["system"] != "tokenfab"]
         mine = [r for r in records if r["rate_rps"] == rate and r["system"] == "tokenfab"]
         if base and mine:
@@ -96,6 +110,16 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['output_tok_s']:.1f} | {r['hit_rate']:.3f} | "
             f"{r['dataplane_cpu_ms_per_token']:.2f} | {r['background_cpu_pct']:.1f} | "
             f"{r['cpu_pct_of_core']['engine']:.0f} | {r['requests']} | {r['failed']} |")
+    floor = result.get("floor")
+    if floor:
+        lines += ["", f"Floor: each request alone, in trace order, straight to one idle vLLM "
+                  f"server of the same settings whose cache holds every block it has seen "
+                  f"({floor['kv_cache_bytes'] >> 20} MiB), one output token; a request's floor is "
+                  f"its fastest of {floor['passes']} passes. Behind any router on these engines, "
+                  f"a request's TTFT is at least its floor, so each percentile is too. TTFT p50 "
+                  f"{_f(floor['ttft_p50_s'])} s, p90 {_f(floor['ttft_p90_s'])} s, p99 "
+                  f"{_f(floor['ttft_p99_s'])} s; hit rate {floor['hit_rate']:.3f} (the engine's "
+                  f"count; bound {result['bound_hit_rate']:.3f})."]
     lines += ["", "Ratios:", ""] + [f"- {line}" for line in result["ratios"]]
     lines += ["", "Data-path and background processes, % of one core over the window:", ""]
     for r in result["records"]:

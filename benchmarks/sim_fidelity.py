@@ -103,7 +103,7 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"{result['wall_s'] / 60:.1f} min.", "",
         f"The law fitted to {result['observations']} probes of an idle replica (median fit "
         f"error {result['fit_error']:.1%}), as scaled for the first deployment below and "
-        "written to sim/profiles/cpu-tiny.json: step = {p['step_base_s'] * 1e3:.2f} ms "
+        f"written to sim/profiles/cpu-tiny.json: step = {p['step_base_s'] * 1e3:.2f} ms "
         f"+ {p['per_token_s'] * 1e6:.1f} us/token + {p['per_seq_s'] * 1e6:.1f} us/request "
         f"+ {p['per_kv_token_s'] * 1e9:.1f} ns/KV token + {p['per_attn_pair_s'] * 1e12:.2f} "
         f"ps/attention pair; request overhead {p['request_overhead_s'] * 1e3:.1f} ms; replica "
