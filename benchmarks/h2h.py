@@ -22,6 +22,8 @@ engines' own cached_tokens / prompt_tokens), CPU over the replay window from /pr
 all threads: `dataplane_cpu_ms_per_token` is the data path's CPU (router or Serve proxy, gateway,
 vLLM API servers or pool replicas; not the `VLLM::` engine processes) per output token, and
 `background_cpu_pct` is Ray's own daemons as % of one core (see process_cpu.py for the rule).
+The same processes' CPU is also sampled for 3 s before each replay, with no request running
+(`idle_dataplane_cpu_pct`, `idle_background_cpu_pct`): what the path costs whatever the load.
 
 First, the floor: each request alone, in trace order, straight to one idle vLLM server of the
 same settings whose KV cache holds every block of the sample (so each gets the infinite-cache
@@ -355,14 +357,15 @@ class Bench:
                 profile: Path | None) -> dict[str, Any]:
         if front.reset:
             front.reset()
-        quiet = wait_quiet(front.pids)
+        idle = wait_quiet(front.pids)
         print(f"{front.system} {front.policy} at {rate:g} req/s: replaying "
               f"{len(self.requests)} requests")
         run = measure(front, self.requests, Prompts(self.words, namespace), rate, profile)
         other = sum(used for pid, (_, used) in run["cpu"].items()
                     if run["categories"].get(pid, "other") == "other")
         return run | {"system": front.system, "policy": front.policy, "rate": rate,
-                      "namespace": namespace, "other_cpu_pct_before": round(quiet, 1),
+                      "namespace": namespace, "other_cpu_pct_before": round(idle["other"], 1),
+                      "idle_cpu_pct": {k: round(v, 2) for k, v in idle.items()},
                       "other_cpu_pct": 100 * other / run["window_s"]}
 
     def floor(self, kv_bytes: int, logs: Path) -> dict[str, Any]:
@@ -441,7 +444,10 @@ def record(run: dict[str, Any], mode: str) -> dict[str, Any]:
     rate = run["rate"]
     return {"system": run["system"], "policy": run["policy"], "load": f"{rate:g} req/s",
             "rate_rps": rate, **summarize(run, mode), "namespace": run["namespace"],
-            "other_cpu_pct_before": run["other_cpu_pct_before"], "attempts": run["attempts"]}
+            "other_cpu_pct_before": run["other_cpu_pct_before"],
+            "idle_dataplane_cpu_pct": run["idle_cpu_pct"]["dataplane"],
+            "idle_background_cpu_pct": run["idle_cpu_pct"]["background"],
+            "attempts": run["attempts"]}
 
 
 # `--stack-load-pct`: busy for that share of every 2 ms, asleep for the rest

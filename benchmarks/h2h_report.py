@@ -60,6 +60,14 @@ def ratios(records: list[dict[str, Any]], floor: dict[str, Any] | None = None) -
             lines.append(f"{rate:g} req/s, dataplane CPU/token against the best baseline "
                          f"({best['system']} {best['policy']}, {best[key]:.2f} ms): "
                          + ", ".join(parts))
+        idle = [r for r in records if r["rate_rps"] == rate and "idle_dataplane_cpu_pct" in r]
+        if idle:
+            lines.append(f"{rate:g} req/s, the data path's CPU with no request running (3 s "
+                         "before the replay), % of a core, and as ms per output token at this "
+                         "load: " + ", ".join(
+                             f"{r['system']} {r['policy']} {r['idle_dataplane_cpu_pct']:.1f}% "
+                             f"({10 * r['idle_dataplane_cpu_pct'] / r['output_tok_s']:.2f} ms)"
+                             for r in idle if r["output_tok_s"]))
     return lines
 
 

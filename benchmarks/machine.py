@@ -59,10 +59,12 @@ def stray_processes() -> list[str]:
     return [line for line in found.stdout.splitlines() if int(line.split()[0]) not in mine]
 
 
-def wait_quiet(stack: set[int], limit_pct: float = 15.0, max_wait_s: float = 300.0) -> float:
+def wait_quiet(stack: set[int], limit_pct: float = 15.0, max_wait_s: float = 300.0
+               ) -> dict[str, float]:
     """Wait (up to `max_wait_s`) until processes outside the stack under test use under
-    `limit_pct` of a core, so a test run or build elsewhere does not take the engines' cores;
-    returns their last share."""
+    `limit_pct` of a core, so a test run or build elsewhere does not take the engines' cores.
+    Returns the last 3-second sample's CPU by category (process_cpu.CATEGORIES), % of a core:
+    "other" is what was waited on; the stack's own shares are its cost at idle."""
     deadline = time.monotonic() + max_wait_s
     while True:
         before = process_cpu.snapshot()
@@ -70,11 +72,13 @@ def wait_quiet(stack: set[int], limit_pct: float = 15.0, max_wait_s: float = 300
         after = process_cpu.snapshot()
         procs = {proc.pid: proc for proc in after.values()}
         categories = process_cpu.classify(procs, stack, os.getpid())
-        other = 100 / 3.0 * sum(used for pid, (_, used) in process_cpu.cpu_seconds(
-            before, after).items() if categories.get(pid) == "other")
-        if other < limit_pct or time.monotonic() > deadline:
-            return other
-        print(f"   waiting: other processes use {other:.0f}% of a core")
+        shares = dict.fromkeys(process_cpu.CATEGORIES, 0.0)
+        for pid, (_, used) in process_cpu.cpu_seconds(before, after).items():
+            if pid in categories:
+                shares[categories[pid]] += 100 / 3.0 * used
+        if shares["other"] < limit_pct or time.monotonic() > deadline:
+            return shares
+        print(f"   waiting: other processes use {shares['other']:.0f}% of a core")
         time.sleep(10.0)
 
 
