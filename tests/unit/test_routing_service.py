@@ -276,11 +276,23 @@ def test_unscored_fallbacks_come_before_replicas_the_overload_filter_dropped() -
     assert ranked[-1] == pool[0] and sorted(ranked) == sorted(pool)
 
 
-def _loaded(weights: dict[str, float], clock=time.monotonic, slow: ReplicaId | None = None,
-            ) -> RoutingService:
-    """Replicas a and b; `slow`'s first tokens measured 3x slower than the other's (10 each);
-    then a runs three requests (their prompts done) and b has one 600-token prompt queued."""
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _loaded(weights: dict[str, float], slow: ReplicaId | None = None) -> RoutingService:
+    """Replicas a and b on a clock of the test's own; `slow`'s first tokens measured 3x slower
+    than the other's (10 each); then a runs three requests (their prompts done) and b has one
+    600-token prompt queued."""
     policy = build_policy("kv_aware", weights, rng=random.Random(0))
+    clock = _Clock()
     service = RoutingService("main", policy, PrefixBlockHasher, follow_events=False, clock=clock)
     service.set_replicas([ReplicaView(replica=r, pool="main", block_size=BLOCK, kv_blocks=1000)
                           for r in (A, B)])
@@ -295,17 +307,6 @@ def _loaded(weights: dict[str, float], clock=time.monotonic, slow: ReplicaId | N
         service.dispatched(RouteKey(f"running{i}", 0, BLOCK, []), A)
     service.dispatched(RouteKey("queued", 600, BLOCK, []), B)
     return service
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 NEW = RouteKey("new", 1024, BLOCK, list(range(100, 164)))
@@ -323,7 +324,7 @@ def test_the_delay_score_sends_a_long_new_prompt_past_the_replica_running_most()
 def test_the_delay_score_reads_each_replicas_fitted_ttft_model() -> None:
     """The same, with b's first tokens measured 3x slower than a's: b's estimate grows past
     a's (the explanation's numbers), and `rank` sees it too."""
-    service = _loaded({"delay": 1.0}, _Clock(), slow=B)
+    service = _loaded({"delay": 1.0}, slow=B)
     explained = {c["replica"]: c["estimated_delay_s"] for c in service.explain(NEW)["candidates"]}
     assert explained[A] < explained[B]
     assert service.rank(NEW, [A, B])[0] == A
