@@ -117,10 +117,11 @@ def body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
 
 async def one_request(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
     """Chunks as (seconds since send, tokens in it or None when the chunk has no token_ids)."""
-    sent, chunks, usage, status, error = time.monotonic(), [], {}, 0, ""
+    sent, chunks, usage, status, error, replica = time.monotonic(), [], {}, 0, "", None
     try:
         async with client.stream("POST", "/v1/completions", json=request) as response:
             status = response.status_code
+            replica = response.headers.get("x-tokenfab-replica")
             if status != 200:
                 error = (await response.aread()).decode(errors="replace")[:300]
             async for line in response.aiter_lines():
@@ -136,7 +137,7 @@ async def one_request(client: httpx.AsyncClient, request: dict[str, Any]) -> dic
     except httpx.HTTPError as exc:
         status, error = 599, repr(exc)
     return {"sent": sent, "done": time.monotonic(), "status": status, "chunks": chunks,
-            "usage": usage, "error": error}
+            "usage": usage, "error": error, "replica": replica}
 
 
 async def replay(url: str, requests: list[dict[str, Any]], prompts: Prompts,
@@ -481,6 +482,8 @@ def main() -> None:
                         help="repeat a replay (twice at most) during which processes outside the "
                         "stack under test used more than this %% of a core")
     parser.add_argument("--logs", default="/tmp/h2h-logs", help="baseline servers' logs")
+    parser.add_argument("--raw", default="", help="directory: each replay's requests (send and "
+                        "end times, chunk times and token counts, usage, tokenfab's replica)")
     parser.add_argument("--profile", default="", help="directory: py-spy the tokenfab data path "
                         "during its highest-rate replays (perturbs those records)")
     parser.add_argument("--stack-load-pct", type=float, default=0.0,
@@ -548,6 +551,17 @@ def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]]
                      "max_tokens": MAX_TOKENS, "engine_cores": [0, 1],
                      "profiled": bool(args.profile), "scheduling": scheduling},
     }
+    if args.raw:
+        raw = Path(args.raw)
+        raw.mkdir(parents=True, exist_ok=True)
+        for run in bench.runs:
+            began = min(r["sent"] for r in run["results"])
+            rows = [{"sent_s": r["sent"] - began, "done_s": r["done"] - began,
+                     "status": r["status"], "chunks": r["chunks"], "usage": r["usage"],
+                     "replica": r["replica"]} for r in run["results"]]
+            name = f"{run['system']}-{run['policy']}-{run['rate']:g}.json"
+            (raw / name).write_text(json.dumps(rows))
+        print(f"wrote each request's chunk times to {raw}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
