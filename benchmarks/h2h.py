@@ -74,7 +74,8 @@ import process_cpu
 from baseline_stack import Process, Session, reset_prefix_caches, start_engine, start_router, stop
 from h2h_report import markdown, plot, ratios
 from harness import deployed, remove
-from machine import check_loopback, prioritise_client, stray_processes, wait_quiet
+from machine import (check_loopback, prioritise_client, renice_engines, stray_processes,
+                     wait_quiet)
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
 from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, arrival_offsets,
@@ -358,6 +359,8 @@ class Bench:
                 profile: Path | None) -> dict[str, Any]:
         if front.reset:
             front.reset()
+        if self.args.engine_nice is not None:
+            renice_engines(self.args.engine_nice)
         idle = wait_quiet(front.pids)
         print(f"{front.system} {front.policy} at {rate:g} req/s: replaying "
               f"{len(self.requests)} requests")
@@ -490,6 +493,9 @@ def main() -> None:
                         help="diagnostic: a process in the baselines' session that keeps this %% "
                         "of one core busy (in 2 ms periods), as a heavier stack would beside the "
                         "engines; it counts as outside the stack (raise --max-other-pct)")
+    parser.add_argument("--engine-nice", type=int, default=None,
+                        help="diagnostic: every engine thread at this nice before each replay "
+                        "(whether the engines lose time to the processes beside them)")
     parser.add_argument("--client-nice", type=int, default=-10,
                         help="the client's scheduling priority (see machine.prioritise_client)")
     args = parser.parse_args()
@@ -549,7 +555,8 @@ def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]]
                      "kv_cache": args.kv_cache, "kv_cache_bytes": kv_bytes,
                      "block_tokens": BLOCK_TOKENS, "max_blocks": MAX_BLOCKS,
                      "max_tokens": MAX_TOKENS, "engine_cores": [0, 1],
-                     "profiled": bool(args.profile), "scheduling": scheduling},
+                     "profiled": bool(args.profile), "engine_nice": args.engine_nice,
+                     "scheduling": scheduling},
     }
     if args.raw:
         raw = Path(args.raw)
