@@ -106,6 +106,13 @@ def stop(process: Process) -> None:
         member.kill()
 
 
+def kv_bytes_per_token(model: str) -> int:
+    """Keys and values of one token in every layer, from the model's config (bfloat16)."""
+    config = json.loads((Path(model).expanduser() / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+
+
 def start_engine(session: Session, model: str, core: int, port: int, kv_bytes: int,
                  logs: Path) -> Process:
     """A vLLM OpenAI server on 127.0.0.1:`port`, its engine pinned to `core`; prefix caching

@@ -40,14 +40,14 @@ to 5 min) until processes outside the stack under test use under 15% of a core, 
 every process it saw.
 
     .venv/bin/python benchmarks/h2h.py [--rates 1.4,3.5] [--kv-cache 24MiB] [--trace FILE]
-        [--systems floor,sglang-router,vllm-router,tokenfab] [--policies round_robin,...] [--limit N]
-        [--profile DIR]
+        [--systems floor,sglang-router,vllm-router,tokenfab] [--policies round_robin,...]
+        [--limit N] [--profile DIR] [--raw DIR] [--engine-nice N]
 
 About 20 minutes on 2 cores. Writes benchmarks/results/h2h.json, and h2h.md and h2h.png beside it
 (`--out` names the JSON). `--profile DIR` runs py-spy on tokenfab's data-path processes during its
 highest-rate replays (which perturbs those records). Helpers: traces.py (sampling, prompts),
 process_cpu.py (CPU per process and its role), baseline_stack.py (vLLM servers and routers),
-h2h_report.py (ratios, Markdown, chart).
+h2h_client.py (requests and replays), h2h_report.py (ratios, Markdown, chart).
 """
 
 from __future__ import annotations
@@ -67,18 +67,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 import process_cpu
-from baseline_stack import Process, Session, reset_prefix_caches, start_engine, start_router, stop
+from baseline_stack import (Session, kv_bytes_per_token, reset_prefix_caches, start_engine,
+                            start_router, stop)
+from h2h_client import MAX_TOKENS, one_at_a_time, replay, wait_ready, warm_up
 from h2h_report import markdown, plot, ratios
 from harness import deployed, remove
 from machine import (check_loopback, prioritise_client, renice_engines, stray_processes,
                      wait_quiet)
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
-from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, arrival_offsets,
+from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts,
                     sample_by_root, single_token_words, upper_bound_hit_rate)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,6 @@ FLOOR_PORT, FLOOR_PASSES = 8143, 2
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6393",
            "dashboard_url": "http://127.0.0.1:8281", "num_cpus": 2,
            "serve_control_loop_s": 0.5}  # as deploy/topologies/local.yaml
-MAX_TOKENS = 32
 RETRIES = 2  # replays repeated because processes outside the stack took the cores meanwhile
 
 
@@ -106,92 +106,6 @@ class Front:
     url: str
     reset: Callable[[], None] | None = None
     pids: set[int] = field(default_factory=set)  # processes listening on the front's port
-
-
-# --- Requests ---------------------------------------------------------------------------------
-
-def body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
-
-
-async def one_request(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
-    """Chunks as (seconds since send, tokens in it or None when the chunk has no token_ids)."""
-    sent, chunks, usage, status, error, replica = time.monotonic(), [], {}, 0, "", None
-    try:
-        async with client.stream("POST", "/v1/completions", json=request) as response:
-            status = response.status_code
-            replica = response.headers.get("x-tokenfab-replica")
-            if status != 200:
-                error = (await response.aread()).decode(errors="replace")[:300]
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                at = time.monotonic() - sent
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):
-                    ids = chunk["choices"][0].get("token_ids")
-                    chunks.append((at, None if ids is None else len(ids)))
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-    except httpx.HTTPError as exc:
-        status, error = 599, repr(exc)
-    return {"sent": sent, "done": time.monotonic(), "status": status, "chunks": chunks,
-            "usage": usage, "error": error, "replica": replica}
-
-
-async def replay(url: str, requests: list[dict[str, Any]], prompts: Prompts,
-                 rate: float) -> list[dict[str, Any]]:
-    bodies = [body(prompts.prompt(row)) for row in requests]  # built before the clock starts
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False,
-                                 limits=limits) as client:
-        began, tasks = time.monotonic(), []
-        for at, request in zip(arrival_offsets(requests, rate), bodies):
-            await asyncio.sleep(max(0.0, began + at - time.monotonic()))
-            tasks.append(asyncio.create_task(one_request(client, request)))
-        return list(await asyncio.gather(*tasks))
-
-
-async def one_at_a_time(url: str, requests: list[dict[str, Any]],
-                        prompts: Prompts) -> list[dict[str, Any]]:
-    """Each request alone, in trace order, the next sent when the last has its first token
-    (one output token each: the floor's TTFTs)."""
-    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
-        return [await one_request(client, body(prompts.prompt(row), max_tokens=1))
-                for row in requests]
-
-
-def warm_up(url: str, requests: list[dict[str, Any]], prompts: Prompts) -> bool:
-    """A few requests through the front; True when every chunk carried token ids."""
-    results = asyncio.run(replay(url, requests[:4], prompts, rate=4.0))
-    bad = [r for r in results if r["status"] != 200 or not r["chunks"]]
-    if bad:
-        raise RuntimeError(f"{url}: warm-up failed: {bad[0]['status']} {bad[0]['error']}")
-    return all(n is not None for r in results for _, n in r["chunks"])
-
-
-def wait_ready(url: str, process: Process | None, timeout_s: float, path: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + path, timeout=5, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}{path} not ready after {timeout_s:g} s")
-        time.sleep(1.0)
-
-
-def kv_bytes_per_token(model: str) -> int:
-    """Keys and values of one token in every layer, from the model's config (bfloat16)."""
-    config = json.loads((Path(model).expanduser() / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
 
 
 # --- Measuring one run ------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""The head-to-head benchmark's client: request bodies, streamed replays at a trace's pace or one
+request at a time, and waiting for a front to answer (h2h.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from baseline_stack import Process
+from traces import Prompts, arrival_offsets
+
+MAX_TOKENS = 32
+
+
+def body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+
+
+async def one_request(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
+    """Chunks as (seconds since send, tokens in it or None when the chunk has no token_ids)."""
+    sent, chunks, usage, status, error, replica = time.monotonic(), [], {}, 0, "", None
+    try:
+        async with client.stream("POST", "/v1/completions", json=request) as response:
+            status = response.status_code
+            replica = response.headers.get("x-tokenfab-replica")
+            if status != 200:
+                error = (await response.aread()).decode(errors="replace")[:300]
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                at = time.monotonic() - sent
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    ids = chunk["choices"][0].get("token_ids")
+                    chunks.append((at, None if ids is None else len(ids)))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except httpx.HTTPError as exc:
+        status, error = 599, repr(exc)
+    return {"sent": sent, "done": time.monotonic(), "status": status, "chunks": chunks,
+            "usage": usage, "error": error, "replica": replica}
+
+
+async def replay(url: str, requests: list[dict[str, Any]], prompts: Prompts,
+                 rate: float) -> list[dict[str, Any]]:
+    bodies = [body(prompts.prompt(row)) for row in requests]  # built before the clock starts
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False,
+                                 limits=limits) as client:
+        began, tasks = time.monotonic(), []
+        for at, request in zip(arrival_offsets(requests, rate), bodies):
+            await asyncio.sleep(max(0.0, began + at - time.monotonic()))
+            tasks.append(asyncio.create_task(one_request(client, request)))
+        return list(await asyncio.gather(*tasks))
+
+
+async def one_at_a_time(url: str, requests: list[dict[str, Any]],
+                        prompts: Prompts) -> list[dict[str, Any]]:
+    """Each request alone, in trace order, the next sent when the last has ended (one output
+    token each: the floor's TTFTs)."""
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+        return [await one_request(client, body(prompts.prompt(row), max_tokens=1))
+                for row in requests]
+
+
+def warm_up(url: str, requests: list[dict[str, Any]], prompts: Prompts) -> bool:
+    """A few requests through the front; True when every chunk carried token ids."""
+    results = asyncio.run(replay(url, requests[:4], prompts, rate=4.0))
+    bad = [r for r in results if r["status"] != 200 or not r["chunks"]]
+    if bad:
+        raise RuntimeError(f"{url}: warm-up failed: {bad[0]['status']} {bad[0]['error']}")
+    return all(n is not None for r in results for _, n in r["chunks"])
+
+
+def wait_ready(url: str, process: Process | None, timeout_s: float, path: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + path, timeout=5, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}{path} not ready after {timeout_s:g} s")
+        time.sleep(1.0)
