@@ -56,17 +56,16 @@ def no_collection() -> Iterator[None]:
     """No cyclic garbage collection while requests are timed. The client holds about 370,000
     objects (the trace, the prompts, earlier runs, its libraries), and one full collection among
     them stalled its event loop for 150 ms during a measured replay: every stream open then
-    shows that gap in its ITL or TTFT, charged to the system under test. What exists before is
-    frozen (never scanned again; vLLM's own benchmark freezes its heap too), and what the
-    requests leave is collected after them."""
+    shows that gap in its ITL or TTFT, charged to the system under test. Garbage is collected
+    before the requests and collection resumes after them."""
+    enabled = gc.isenabled()
     gc.collect()
-    gc.freeze()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
-        gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 async def replay(url: str, requests: list[dict[str, Any]], prompts: Prompts,
