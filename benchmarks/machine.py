@@ -59,10 +59,9 @@ def stray_processes() -> list[str]:
     return [line for line in found.stdout.splitlines() if int(line.split()[0]) not in mine]
 
 
-def renice_engines(nice: int) -> int:
+def renice_engines(nice: int) -> None:
     """Set every thread of every `VLLM::` process to `nice` (a diagnostic: whether the engines
-    lose time to the processes beside them); returns the threads changed."""
-    changed = 0
+    lose time to the processes beside them)."""
     for proc in process_cpu.snapshot().values():
         if not proc.title.startswith("VLLM::"):
             continue
@@ -73,10 +72,8 @@ def renice_engines(nice: int) -> int:
         for tid in tids:
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
-                changed += 1
             except OSError:
                 pass
-    return changed
 
 
 def wait_quiet(stack: set[int], limit_pct: float = 15.0, max_wait_s: float = 300.0
