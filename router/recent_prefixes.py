@@ -33,18 +33,41 @@ class RecentPrefixes:
         Example (block 4): after recording [1..10], a prompt [1..8, 99] has 8 cached tokens, and
         [1, 2, 3, 99, ...] has 0 (its first block differs).
         """
+        return self.cached_blocks(self._hashes(token_ids)) * self._block
+
+    def record(self, token_ids: Sequence[int]) -> None:
+        self.record_blocks(self._hashes(token_ids))
+
+    def cached_blocks(self, block_hashes: Sequence[int]) -> int:
+        """Blocks of the longest prefix of `block_hashes` (chained, as `_hashes` makes them or as
+        an engine does) dispatched within the TTL."""
         now, cached = self._clock(), 0
-        for block_hash in self._hashes(token_ids):
+        for block_hash in block_hashes:
             seen = self._seen.get(block_hash)
             if seen is None or now - seen > self._ttl:
                 break
-            cached += self._block
+            cached += 1
         return cached
 
-    def record(self, token_ids: Sequence[int]) -> None:
+    def record_blocks(self, block_hashes: Sequence[int]) -> None:
         now = self._clock()
-        for block_hash in self._hashes(token_ids):
+        for block_hash in block_hashes:
             self._seen[block_hash] = now
             self._seen.move_to_end(block_hash)
         while len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
+
+
+def skip_prefill(prompt_tokens: int, cached_on_decode: int, min_prompt_tokens: int) -> str | None:
+    """Why a prompt goes straight to decode (None: it is worth a prefill leg): decode would
+    compute fewer than `min_prompt_tokens` of it itself, being short or mostly sent to decode
+    recently. The gateway's `DisaggregatedFlow` and the simulator's P/D pools both decide so.
+
+    Example (min 256): a 2,000-token prompt whose first 1,920 tokens decode was recently sent
+    leaves 80 to compute: decode does that faster than a prefill leg plus a transfer.
+    """
+    if prompt_tokens < min_prompt_tokens:
+        return "short_prompt"
+    if prompt_tokens - cached_on_decode < min_prompt_tokens:
+        return "cached_on_decode"
+    return None

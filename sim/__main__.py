@@ -4,7 +4,7 @@ simulation, or find what one replica serves within latency targets (the autoscal
     python -m sim calibrate --url http://127.0.0.1:8000 --model tiny \\
         --model-path ~/.cache/tokenfab/models/tiny-llama --kv-blocks 384 --out my-profile.json
     python -m sim replay --profile h100-llama-3.1-8b --trace ../shared/traces/synthetic_trace.jsonl \\
-        --policy kv_aware --replicas 64 --rate 64
+        --policy kv_aware --replicas 64 --rate 64 [--pd 16:48 --transfer-gb-s 50]
     python -m sim capacity --profile h100-llama-3.1-8b \
         --trace ../shared/traces/synthetic_trace.jsonl --ttft-p90-s 3 --itl-p90-s 0.1
 """
@@ -46,10 +46,30 @@ def _replay(args: argparse.Namespace) -> None:
             max_prompt_tokens=params.max_model_len - args.max_output_tokens, start=start,
             output_tokens=lambda row: max(1, min(args.max_output_tokens, row["output_length"])))
 
-    result = replay(params, args.policy, args.replicas, make, seed=args.seed)
-    result.pop("per_request")
+    if args.pd is None:
+        result = replay(params, args.policy, args.replicas, make, seed=args.seed)
+        result.pop("per_request")
+    else:
+        from sim import pd
+
+        prefill, decode = args.pd
+        result = pd.replay(params, args.policy, prefill, decode, make(0, 0.0),
+                           transfer_bytes_per_s=args.transfer_gb_s * 1e9,
+                           transfer_latency_s=args.transfer_latency_ms / 1e3,
+                           min_prompt_tokens=args.min_prompt_tokens, seed=args.seed)
     json.dump(result, sys.stdout, indent=2)
     print()
+
+
+def _split(value: str) -> tuple[int, int]:
+    try:
+        prefill, decode = (int(n) for n in value.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected PREFILL:DECODE, e.g. 4:12") \
+            from None
+    if prefill < 1 or decode < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: each pool needs at least one replica")
+    return prefill, decode
 
 
 def _capacity(args: argparse.Namespace) -> None:
@@ -112,6 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("--tokens-per-id", type=int, default=512)
     rep.add_argument("--max-output-tokens", type=int, default=1024)
     rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--pd", type=_split, default=None, metavar="P:D",
+                     help="a prefill pool of P and a decode pool of D replicas (not --replicas)")
+    rep.add_argument("--transfer-gb-s", type=float, default=50.0,
+                     help="with --pd: the KV link of a pull, GB/s")
+    rep.add_argument("--transfer-latency-ms", type=float, default=1.0)
+    rep.add_argument("--min-prompt-tokens", type=int, default=256,
+                     help="with --pd: disaggregation.min_prompt_tokens")
     rep.set_defaults(run=_replay)
     cap = commands.add_parser("capacity", help="the requests/s one replica serves within "
                               "latency targets, for the autoscaler's capacity_rps")
@@ -128,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     cap.add_argument("--seed", type=int, default=0)
     cap.set_defaults(run=_capacity)
     args = parser.parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except ValueError as exc:  # a profile, or options that do not fit it
+        parser.exit(2, f"sim: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ that have room, dispatches to the first, reports first tokens and ends, and hold
 no replica has room. The service learns the replicas from a registry refresh every `refresh_s`
 (load, KV usage, capacity, as `ReplicaView`s) and the blocks from each engine step's KV events,
 delivered after `event_lag_s`. The wall time of each decision (`rank` and `dispatched`) and of
-applying the events is measured: it is the real code's cost at this scale.
+applying the events is measured: it is the real code's cost at this scale. A cluster is one pool;
+`sim.pd` joins a prefill and a decode one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from router.events import BlockRemoved, BlockStored, KVEventBatch
@@ -22,7 +23,7 @@ from router.index import ReplicaId
 from router.policies import build_policy
 from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey
-from sim.engine import SimEngine, SimRequest
+from sim.engine import PullTime, SimEngine, SimRequest
 from sim.loop import EventLoop
 from sim.params import EngineParams
 
@@ -38,19 +39,26 @@ class SimReplica:
 
 
 class SimCluster:
-    """One unified pool. Owned by the loop's callbacks; nothing here is thread-safe."""
+    """One pool (unified, unless `sim.pd` makes it a prefill or decode one: `pull_s` and
+    `on_pulled` go to its engines, `on_finished` hears of each request it ends). Owned by the
+    loop's callbacks; nothing here is thread-safe."""
 
     def __init__(self, loop: EventLoop, params: EngineParams, policy: str, replicas: int, *,
                  weights: Mapping[str, float] | None = None, seed: int = 0,
                  max_ongoing_requests: int = 256, event_lag_s: float = 0.002,
                  refresh_s: float = 1.0, max_index_entries: int | None = None,
-                 max_history_entries: int | None = None) -> None:
-        self.loop, self.params = loop, params
+                 max_history_entries: int | None = None, pool: str = POOL,
+                 prefix: str = "r", pull_s: PullTime | None = None,
+                 on_pulled: Callable[[SimRequest], None] | None = None,
+                 on_finished: Callable[[SimRequest], None] | None = None) -> None:
+        self.loop, self.params, self.pool = loop, params, pool
+        self._prefix, self._pull_s, self._on_pulled = prefix, pull_s, on_pulled
+        self._on_finished = on_finished
         self.policy = build_policy(policy, weights, rng=random.Random(seed))
         bounds = {"max_index_entries": max_index_entries,
                   "max_history_entries": max_history_entries}
         extra = {name: value for name, value in bounds.items() if value is not None}
-        self.service = RoutingService(POOL, self.policy, _no_hasher, follow_events=False,
+        self.service = RoutingService(pool, self.policy, _no_hasher, follow_events=False,
                                       clock=loop.clock, **extra)
         self.max_ongoing, self.event_lag_s, self.refresh_s = (max_ongoing_requests, event_lag_s,
                                                               refresh_s)
@@ -70,11 +78,12 @@ class SimCluster:
 
     def add_replica(self, ready: bool = False) -> ReplicaId:
         """A new replica; ready at once, or after the profile's start latency."""
-        name = ReplicaId(f"r{self._serial}")
+        name = ReplicaId(f"{self._prefix}{self._serial}")
         self._serial += 1
         engine = SimEngine(self.loop, self.params, name,
                            on_events=lambda events, n=name: self._events(n, events),
-                           on_first_token=self._first_token, on_finished=self._finished)
+                           on_first_token=self._first_token, on_finished=self._finished,
+                           pull_s=self._pull_s, on_pulled=self._on_pulled)
         replica = self.replicas[name] = SimReplica(name, engine, "ready" if ready else "starting",
                                                    self.loop.now)
         if not ready:
@@ -120,6 +129,12 @@ class SimCluster:
             self.loop.at(request.arrival, lambda r=request: self._route(r))
         self._tick()
 
+    def route_now(self, request: SimRequest) -> None:
+        """A request that reaches this pool now (a leg of a disaggregated one)."""
+        self._outstanding += 1
+        self._tick()
+        self._route(request)
+
     def _route(self, request: SimRequest) -> bool:
         """Dispatch `request`, or hold it (False) while no ready replica has room."""
         service = self.service
@@ -146,6 +161,8 @@ class SimCluster:
         self.service.finished(request.request_id)
         self.finished.append(request)
         self._outstanding -= 1
+        if self._on_finished is not None:
+            self._on_finished(request)
         replica = self.replicas.get(ReplicaId(request.replica))
         if replica is not None:
             self.loop.after(0.0, lambda: self._leave_if_idle(replica))
@@ -189,7 +206,7 @@ class SimCluster:
     def _refresh_views(self) -> None:
         p = self.params
         self.service.set_replicas([
-            ReplicaView(replica=r.name, pool=POOL, block_size=p.block_size,
+            ReplicaView(replica=r.name, pool=self.pool, block_size=p.block_size,
                         kv_blocks=p.kv_blocks, in_flight=r.engine.load(),
                         waiting=len(r.engine.waiting), kv_usage=r.engine.kv_usage())
             for r in self.replicas.values() if r.state == "ready"])

@@ -9,6 +9,13 @@ BlockStored event) at the end of the step that computed them; a block taken for 
 its hash (BlockRemoved). Steps in which only the same requests decode, and nothing waits, run as
 one event until the first of them ends or a request arrives (`_fast_forward`): the sum of the
 steps' times is closed-form, so a long decode costs the simulator a few events, not one per token.
+
+Disaggregated prefill, as vLLM's NixlConnector does it. A prefill leg (`hold_kv`) keeps its blocks
+after its one token until `release` (the decode side has read them). A decode leg (`remote_kv`),
+when the scheduler admits it, gets blocks for its prompt but the last token, reuses its cached
+prefix and pulls the rest, taking `pull_s(tokens)` seconds, outside the steps and their budget
+(vLLM's WAITING_FOR_REMOTE_KVS); then it waits at the head of the queue and computes the last
+prompt token like any prefill, which gives its first token.
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ class SimRequest:
     first_token: float | None = None
     finished: float | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    remote_kv: bool = False  # a decode leg: pull the prompt's KV from a prefill engine
+    hold_kv: bool = False  # a prefill leg: keep its blocks after it ends, until `release`
+    pulled_tokens: int = 0  # prompt tokens whose KV it pulled
+    pull_s: float = 0.0  # how long the pull took
+    prefill_replica: str = ""  # where its prompt was prefilled (a decode leg)
     preemptions: int = 0
     itl_sum_s: float = 0.0  # sum and count of its inter-token gaps
     itl_count: int = 0
@@ -52,6 +64,7 @@ class _Seq:
     generated: int = 0
     blocks: list[int] = field(default_factory=list)
     prefill_to: int = 0  # the prompt; after a preemption, the prompt and the tokens generated
+    pulled: bool = False  # a decode leg whose pull has been started (it never pulls twice)
 
     def __post_init__(self) -> None:
         self.prefill_to = self.request.prompt_tokens
@@ -87,21 +100,27 @@ class _FastForward:
 
 Listener = Callable[[SimRequest], None]
 EventListener = Callable[[list[tuple[bool, int]]], None]
+PullTime = Callable[[int], float]  # seconds to pull the KV of this many tokens
 
 
 class SimEngine:
     """One engine (one replica's). Callbacks run inside the loop: `on_events` with each step's KV
-    events, `on_first_token` and `on_finished` per request."""
+    events, `on_first_token` and `on_finished` per request, `on_pulled` when a decode leg has
+    its prompt's KV (`pull_s` says how long that takes; an engine without it pulls nothing)."""
 
     def __init__(self, loop: EventLoop, params: EngineParams, name: str,
                  on_events: EventListener, on_first_token: Listener,
-                 on_finished: Listener, fast_forward: bool = True) -> None:
+                 on_finished: Listener, fast_forward: bool = True,
+                 pull_s: PullTime | None = None, on_pulled: Listener | None = None) -> None:
         self.loop, self.params, self.name = loop, params, name
         self._fast_forward_on = fast_forward  # off: every step an event (for checking it)
         self.pool = BlockPool(params.kv_blocks)
         self._on_events, self._on_first, self._on_finished = on_events, on_first_token, on_finished
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.pulling: list[_Seq] = []  # decode legs whose KV is on its way
+        self._held: dict[str, list[int]] = {}  # blocks of ended prefill legs, until released
+        self._pull_s, self._on_pulled = pull_s, on_pulled
         self._busy = False
         self._generation = 0  # invalidates a scheduled step end when a fast-forward is cut
         self._batch: list[tuple[_Seq, int]] = []
@@ -127,12 +146,18 @@ class SimEngine:
             self._cut_fast_forward()
 
     def load(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.pulling)
+
+    def release(self, request_id: str) -> None:
+        """A prefill leg's KV has been read (or will not be): its blocks go back to the pool."""
+        blocks = self._held.pop(request_id, None)
+        if blocks is not None:
+            self.pool.free(blocks)
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens not computed yet, of requests still in their prefill (vLLM's count)."""
         return sum(s.prefill_to - s.computed for s in (*self.running, *self.waiting)
-                   if s.prefilling)
+                   if s.prefilling)  # not those pulling theirs
 
     def kv_usage(self) -> float:
         return self.pool.used_blocks / self.pool.num_blocks
@@ -186,6 +211,13 @@ class SimEngine:
                 i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < p.max_num_seqs:
             seq = self.waiting[0]
+            if seq.request.remote_kv and not seq.pulled and self._pull_s is not None:
+                pull = self._start_pull(seq)  # None: nothing to pull, admitted as any request
+                if pull is False:
+                    break
+                if pull:
+                    self.waiting.popleft()
+                    continue
             n = self._admit(seq, budget)
             if n == 0:
                 break
@@ -208,6 +240,9 @@ class SimEngine:
     def _admit(self, seq: _Seq, budget: int) -> int:
         """Tokens `seq` computes in this step if it can start now (0: it cannot): its cached
         prefix is reused (at least one prompt token is always computed)."""
+        if seq.blocks:  # pulled: the prompt's blocks but the last token's are its own already
+            n = min(seq.prefill_to - seq.computed, budget)
+            return n if self._grow(seq, n) else 0
         request, size = seq.request, self.params.block_size
         hits = self.pool.cached_prefix(request.block_hashes)[:(request.prompt_tokens - 1) // size]
         cached = len(hits) * size
@@ -222,6 +257,45 @@ class SimEngine:
         if request.cached_tokens == 0 and request.preemptions == 0:
             request.cached_tokens = cached
         return n
+
+    def _start_pull(self, seq: _Seq) -> bool | None:
+        """Blocks for the prompt but its last token: the cached prefix, and new ones for the rest,
+        which is pulled (True; False: not enough free blocks now). None: the prompt is cached
+        but its last token, nothing to pull."""
+        request, size = seq.request, self.params.block_size
+        hits = self.pool.cached_prefix(request.block_hashes)[:(request.prompt_tokens - 1) // size]
+        cached = len(hits) * size
+        remote = request.prompt_tokens - 1 - cached
+        if remote <= 0:
+            seq.pulled = True
+            if self._on_pulled is not None:
+                self._on_pulled(request)
+            return None
+        need = math.ceil((request.prompt_tokens - 1) / size) - len(hits)
+        if need > self.pool.free_blocks - sum(self.pool.is_free(b) for b in hits):
+            return False
+        seq.pulled = True
+        self.pool.touch(hits)
+        seq.blocks = hits + (self.pool.allocate(need) or [])
+        seq.computed = cached
+        request.cached_tokens, request.pulled_tokens = cached, remote
+        request.pull_s = self._pull_s(remote)
+        self.pulling.append(seq)
+        self.loop.after(request.pull_s, lambda: self._pulled(seq))
+        return True
+
+    def _pulled(self, seq: _Seq) -> None:
+        """The pull is done: the pulled blocks are cached (their events go out with the next
+        step's) and the request waits first, to compute its last prompt token."""
+        self.pulling.remove(seq)
+        self._computed(seq, seq.request.prompt_tokens - 1 - seq.computed)
+        self.waiting.appendleft(seq)
+        if self._on_pulled is not None:
+            self._on_pulled(seq.request)
+        if not self._busy:
+            self._start_step()
+        elif self._ff is not None:
+            self._cut_fast_forward()
 
     def _preempt(self, seq: _Seq) -> None:
         """Recompute later, the tokens it generated included: its blocks are freed (cached ones
@@ -338,7 +412,10 @@ class SimEngine:
                 seq.request.finished = now
                 if seq.request.itl_count:
                     self.itl.add(seq.request.itl_sum_s / seq.request.itl_count, now)
-                self.pool.free(seq.blocks)
+                if seq.request.hold_kv:
+                    self._held[seq.request.request_id] = seq.blocks
+                else:
+                    self.pool.free(seq.blocks)
                 seq.blocks = []
                 self._on_finished(seq.request)
             else:

@@ -36,6 +36,7 @@ class EngineParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     overhead_per_stream_s: float = 0.0  # more of it for each request already on the replica:
     # its front relays their tokens on the same event loop and cores
     start_latency_s: float = 40.0  # a new replica's start, from the decision to its first request
+    kv_bytes_per_token: int = 0  # KV cache bytes of one token (all layers): what P/D transfers
     source: str = ""  # how these numbers were obtained
 
     def step_s(self, new_tokens: int, seqs: int, kv_tokens: int, attn_pairs: float) -> float:

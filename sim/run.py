@@ -40,13 +40,17 @@ def summary(policy: str, requests: list[SimRequest], sim: SimCluster, sim_s: flo
             wall_s: float) -> dict[str, Any]:
     done = [r for r in requests if r.first_token is not None and r.finished is not None]
     ttft = np.array([r.first_token - r.arrival for r in done])
+    itl = np.array([r.itl_sum_s / r.itl_count for r in done if r.itl_count])  # mean gap each
     prompt = sum(r.prompt_tokens for r in done)
     decisions_ms = np.array(sim.decision_ns or [0]) / 1e6
     per_replica = Counter(r.replica for r in done)
     return {
         "policy": policy, "replicas": len({r.replica for r in requests}),
         "requests": len(requests), "unfinished": len(requests) - len(done),
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90),
+        "itl_p99_s": percentile(itl, 99),
         "hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
         "output_tok_s": sum(r.output_tokens for r in done) / sim_s if sim_s else 0.0,
         "busiest_replica_share": max(per_replica.values()) / len(done) if done else 0.0,
@@ -65,5 +69,5 @@ def summary(policy: str, requests: list[SimRequest], sim: SimCluster, sim_s: flo
     }
 
 
-def _pct(values: np.ndarray, q: float) -> float:
+def percentile(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")

@@ -29,7 +29,7 @@ from orchestrator.gateway.relay import Call, TokenClock, end_in_stream, relay
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.params import decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
-from router.recent_prefixes import RecentPrefixes
+from router.recent_prefixes import RecentPrefixes, skip_prefill
 from router.wire import RouteKey
 
 _encode = msgspec.json.encode
@@ -157,11 +157,8 @@ class DisaggregatedFlow:
                           decode_body(call.body, params))
 
     def _worth_disaggregating(self, call: Call) -> bool:
-        """Only when decode would otherwise compute at least `min_prompt_tokens` itself.
-
-        Example (min 256): a 2,000-token prompt whose first 1,920 tokens decode was recently sent
-        leaves 80 to compute: decode does that faster than a prefill leg plus a transfer.
-        """
+        """Only when decode would otherwise compute at least `min_prompt_tokens` itself
+        (`skip_prefill`), for one choice of a prompt whose tokens are known."""
         body, tokens = call.body, call.tokens
         if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
             self.metrics.skipped("multiple_choices")
@@ -169,11 +166,11 @@ class DisaggregatedFlow:
         if tokens is None:
             self.metrics.skipped("unknown_prompt")
             return False
-        if len(tokens) < self._spec.min_prompt_tokens:
-            self.metrics.skipped("short_prompt")
-            return False
-        if len(tokens) - self._on_decode.cached_tokens(tokens) < self._spec.min_prompt_tokens:
-            self.metrics.skipped("cached_on_decode")
+        cached = (self._on_decode.cached_tokens(tokens)
+                  if len(tokens) >= self._spec.min_prompt_tokens else 0)
+        reason = skip_prefill(len(tokens), cached, self._spec.min_prompt_tokens)
+        if reason is not None:
+            self.metrics.skipped(reason)
             return False
         return True
 

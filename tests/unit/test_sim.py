@@ -1,10 +1,13 @@
 """The simulator: vLLM's block pool order, the scheduler's steps, fast-forwarded decode equal to
-step-by-step decode, preemption, the calibration fit, and the real router inside it."""
+step-by-step decode, preemption, the calibration fit, the real router inside it, and prefill and
+decode pools joined by KV pulls."""
 
 from __future__ import annotations
 
+import json
 import random
 
+import msgspec
 import pytest
 
 from sim import workload
@@ -14,6 +17,7 @@ from sim.engine import SimEngine, SimRequest
 from sim.kvcache import BlockPool
 from sim.loop import EventLoop
 from sim.params import EngineParams, load
+from sim.pd import SimPDCluster
 from sim.run import replay
 
 PARAMS = EngineParams(name="test", block_size=4, kv_blocks=64, max_num_batched_tokens=16,
@@ -262,3 +266,107 @@ def test_profiled_latency_and_load_grow_with_the_rate() -> None:
     assert ongoing == sorted(ongoing) and ongoing[0] > 0
     ttft = [p.ttft_p90_s for p in found.points]
     assert ttft == sorted(ttft)
+
+
+# -- prefill and decode pools ---------------------------------------------------------------
+
+PD_PARAMS = msgspec.structs.replace(PARAMS, kv_bytes_per_token=1000)  # 1 ms a token at 1 MB/s
+
+
+def test_decode_leg_pulls_all_but_the_last_token_then_computes_it() -> None:
+    loop, events, firsts, ends, pulled = EventLoop(), [], [], [], []
+    e = SimEngine(loop, PD_PARAMS, "d", events.append, firsts.append, ends.append,
+                  pull_s=lambda tokens: 0.001 * tokens, on_pulled=pulled.append)
+    a = SimRequest("a", 0.0, 9, [1, 2], 3, remote_kv=True)  # 2 full blocks of 4, and a token
+    loop.at(0.0, lambda: e.add(a))
+    loop.run()
+    assert a.pulled_tokens == 8 and a.pull_s == pytest.approx(0.008) and pulled == [a]
+    assert a.cached_tokens == 0
+    # the pull is outside the steps; then one step computes the 9th token: 10 ms base, 1 ms a
+    # token, 0.5 ms a request, 0.1 ms a KV token read (9)
+    assert a.first_token == pytest.approx(0.008 + 0.010 + 0.001 + 0.0005 + 0.0009)
+    assert events[0][:2] == [(True, 1), (True, 2)]  # the pulled blocks are cached, then told
+    b = SimRequest("b", 1.0, 9, [1, 2], 3, remote_kv=True)  # its prompt is cached but a token
+    loop.at(1.0, lambda: e.add(b))
+    loop.run()
+    assert b.pulled_tokens == 0 and b.cached_tokens == 8 and pulled == [a, b]
+    assert e.pool.used_blocks == 0 and not e.pulling
+
+
+def test_prefill_leg_holds_its_blocks_until_released() -> None:
+    loop, e, *_ = engine(PD_PARAMS)
+    leg = SimRequest("a/prefill", 0.0, 9, [1, 2], 1, hold_kv=True)
+    loop.at(0.0, lambda: e.add(leg))
+    loop.run()
+    assert leg.finished is not None and e.pool.used_blocks == 3
+    e.release("a/prefill")
+    assert e.pool.used_blocks == 0 and e.pool.cached_prefix([1, 2]) != []
+
+
+def pd_cluster(**kw):
+    loop = EventLoop()
+    sim = SimPDCluster(loop, PD_PARAMS, "kv_aware", 1, 1, transfer_bytes_per_s=1e6,
+                       transfer_latency_s=0.002, min_prompt_tokens=8, **kw)
+    return loop, sim
+
+
+def test_pd_prefills_long_prompts_once_and_decode_keeps_what_it_pulled() -> None:
+    loop, sim = pd_cluster()
+    hashes = workload.block_hashes([7], 8, 32, 4)
+    long = request("long", 0.0, 33, hashes, 4)
+    short = request("short", 0.5, 5, workload.block_hashes([8], 1, 32, 4), 4)
+    again = request("again", 1.0, 33, hashes, 4)  # decode was sent this prefix: no prefill leg
+    sim.submit([long, short, again])
+    loop.run()
+    assert all(r.finished is not None for r in (long, short, again))
+    assert sim.disaggregated == 1
+    assert sim.skipped == {"short_prompt": 1, "cached_on_decode": 1}
+    assert (long.remote_kv, long.prefill_replica, long.replica) == (True, "p0", "d0")
+    assert long.pulled_tokens == 32 and long.pull_s == pytest.approx(0.002 + 0.032)
+    assert again.cached_tokens == 32 and not again.remote_kv  # the pulled blocks, reused
+    # the client's first token is decode's: after both legs' overhead and the pull
+    assert long.first_token - long.arrival > 2 * PD_PARAMS.request_overhead_s + long.pull_s
+    prefill = sim.prefill.replicas["p0"].engine
+    assert prefill.pool.used_blocks == 0 and prefill.arrivals == 1  # released after the pull
+    # the decode pool's router learned the pulled blocks from its engine's events
+    assert sim.decode.service.index_entries() > 0
+
+
+def test_pd_keeps_long_prefills_out_of_decode_streams() -> None:
+    def stream_gap(pd: bool) -> float:
+        loop = EventLoop()
+        stream = request("stream", 0.0, 5, workload.block_hashes([1], 1, 32, 4), 40)
+        long = request("long", 0.05, 120, workload.block_hashes([2], 30, 32, 4), 2)
+        if pd:
+            sim = SimPDCluster(loop, PD_PARAMS, "round_robin", 1, 1, transfer_bytes_per_s=1e6,
+                               min_prompt_tokens=8)
+        else:
+            sim = SimCluster(loop, PD_PARAMS, "round_robin", 1)
+        sim.submit([stream, long])
+        loop.run()
+        assert stream.finished is not None and long.finished is not None
+        return stream.itl_sum_s / stream.itl_count
+
+    # unified, each of the long prompt's 8 chunks rides a step of the stream's (16 tokens:
+    # 15 ms more each); in P/D decode steps carry the pulled request's one token at most
+    assert stream_gap(pd=True) < 0.8 * stream_gap(pd=False)
+
+
+def test_replay_command_runs_pd_pools_and_refuses_a_profile_without_kv_bytes(
+        tmp_path, capsys) -> None:
+    from sim.__main__ import main
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(
+        f'{{"timestamp": {i * 500}, "input_length": {600 + 400 * (i % 2)}, '
+        f'"output_length": 8, "hash_ids": [{i % 2}, {10 + i}]}}\n' for i in range(6)))
+    main(["replay", "--profile", "h100-llama-3.1-8b", "--trace", str(trace), "--rate", "2",
+          "--pd", "1:2"])
+    result = json.loads(capsys.readouterr().out)
+    assert (result["prefill_replicas"], result["decode_replicas"]) == (1, 2)
+    assert result["unfinished"] == 0 and result["disaggregated"] >= 1
+    assert result["pulled_gb"] > 0
+    with pytest.raises(SystemExit):
+        main(["replay", "--profile", "cpu-tiny", "--trace", str(trace), "--rate", "2",
+              "--pd", "1:1"])
+    assert "kv_bytes_per_token is not set" in capsys.readouterr().err

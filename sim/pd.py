@@ -1,0 +1,143 @@
+"""Prefill and decode pools in simulation, joined as tokenfab's gateway joins them.
+
+A request whose prompt would leave decode at least `min_prompt_tokens` to compute (the gateway's
+rule, `router.recent_prefixes.skip_prefill`, over the prefixes recently sent to decode) first
+goes to the prefill pool with one output token; its blocks stay on that engine. When it ends, the
+same request goes to the decode pool, whose engine pulls the prompt's KV when it admits it:
+`transfer_latency_s + tokens x params.kv_bytes_per_token / transfer_bytes_per_s`, then frees the
+prefill engine's blocks. Other requests go to decode alone, which computes their prompts. Each
+pool is a `SimCluster` routing with tokenfab's own `RoutingService`, so each learns its engines'
+blocks from their events: decode's from what it pulled and computed.
+
+The client's first token is decode's (the prefill leg's one token stays in the gateway), so a
+disaggregated request's TTFT is its prefill leg, the pull and decode's first step, with each
+leg's request overhead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from router.recent_prefixes import RecentPrefixes, skip_prefill
+from sim.cluster import SimCluster
+from sim.engine import SimRequest
+from sim.loop import EventLoop
+from sim.params import EngineParams
+from sim.run import percentile
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+class SimPDCluster:
+    """A prefill pool and a decode pool behind one simulated gateway. Owned by the loop."""
+
+    def __init__(self, loop: EventLoop, params: EngineParams, policy: str, prefill: int,
+                 decode: int, *, transfer_bytes_per_s: float, transfer_latency_s: float = 0.0,
+                 min_prompt_tokens: int = 256, decode_cache_ttl_s: float = 300.0,
+                 **cluster: Any) -> None:
+        if transfer_bytes_per_s <= 0:
+            raise ValueError("transfer_bytes_per_s: must be > 0")
+        if params.kv_bytes_per_token <= 0:
+            raise ValueError(f"profile {params.name}: kv_bytes_per_token is not set, and P/D "
+                             "needs it to time the KV pulls")
+        self.loop, self.params = loop, params
+        self.transfer_bytes_per_s, self.transfer_latency_s = (transfer_bytes_per_s,
+                                                              transfer_latency_s)
+        self.min_prompt_tokens = min_prompt_tokens
+        self.prefill = SimCluster(loop, params, policy, prefill, pool=PREFILL, prefix="p",
+                                  on_finished=self._prefilled, **cluster)
+        self.decode = SimCluster(loop, params, policy, decode, pool=DECODE, prefix="d",
+                                 pull_s=self.pull_s, on_pulled=self._pulled, **cluster)
+        self._on_decode = RecentPrefixes(block_tokens=params.block_size,
+                                         ttl_s=decode_cache_ttl_s, clock=loop.clock)
+        self._legs: dict[str, tuple[SimRequest, SimRequest]] = {}  # prefill leg id -> both
+        self.skipped: dict[str, int] = {"short_prompt": 0, "cached_on_decode": 0}
+        self.disaggregated = 0
+        self.prefill_cached: dict[str, int] = {}  # prefill engines' hits, by request
+
+    def pull_s(self, tokens: int) -> float:
+        return (self.transfer_latency_s
+                + tokens * self.params.kv_bytes_per_token / self.transfer_bytes_per_s)
+
+    def submit(self, requests: Iterable[SimRequest]) -> None:
+        for request in requests:
+            self.loop.at(request.arrival, lambda r=request: self._arrive(r))
+
+    def _arrive(self, request: SimRequest) -> None:
+        hashes = request.block_hashes
+        cached = (self._on_decode.cached_blocks(hashes) * self.params.block_size
+                  if request.prompt_tokens >= self.min_prompt_tokens else 0)
+        reason = skip_prefill(request.prompt_tokens, cached, self.min_prompt_tokens)
+        if reason is not None:
+            self.skipped[reason] += 1
+            self._to_decode(request)
+            return
+        self.disaggregated += 1
+        leg = SimRequest(f"{request.request_id}/prefill", request.arrival, request.prompt_tokens,
+                         hashes, 1, hold_kv=True)
+        self._legs[leg.request_id] = (leg, request)
+        self.prefill.route_now(leg)
+
+    def _prefilled(self, leg: SimRequest) -> None:
+        _, request = self._legs[leg.request_id]
+        request.remote_kv, request.prefill_replica = True, leg.replica
+        self.prefill_cached[request.request_id] = leg.cached_tokens
+        self._to_decode(request)
+
+    def _to_decode(self, request: SimRequest) -> None:
+        self._on_decode.record_blocks(request.block_hashes)
+        self.decode.route_now(request)
+
+    def _pulled(self, request: SimRequest) -> None:
+        """Decode has the prompt's KV (or found it cached and pulled none): prefill lets go."""
+        leg, _ = self._legs.pop(f"{request.request_id}/prefill")
+        replica = self.prefill.replicas.get(leg.replica)
+        if replica is not None:
+            replica.engine.release(leg.request_id)
+
+
+def replay(params: EngineParams, policy: str, prefill: int, decode: int,
+           requests: list[SimRequest], **pd: Any) -> dict[str, Any]:
+    """One replay through a P/D cluster, and its summary."""
+    loop = EventLoop()
+    sim = SimPDCluster(loop, params, policy, prefill, decode, **pd)
+    began = time.perf_counter()
+    sim.submit(requests)
+    loop.run()
+    return summary(policy, requests, sim, loop.now - min(r.arrival for r in requests),
+                   time.perf_counter() - began)
+
+
+def summary(policy: str, requests: list[SimRequest], sim: SimPDCluster, sim_s: float,
+            wall_s: float) -> dict[str, Any]:
+    """What `sim.run.summary` reports of a unified pool, for the two pools together; the hit
+    rate counts the prompt tokens no engine computed (a disaggregated request's are the prefill
+    engine's hits: decode computes one token of a pulled prompt)."""
+    done = [r for r in requests if r.first_token is not None and r.finished is not None]
+    ttft = np.array([r.first_token - r.arrival for r in done])
+    itl = np.array([r.itl_sum_s / r.itl_count for r in done if r.itl_count])
+    prompt = sum(r.prompt_tokens for r in done)
+    not_computed = sum(sim.prefill_cached[r.request_id] if r.remote_kv else r.cached_tokens
+                       for r in done)
+    pulled = [r for r in done if r.pulled_tokens]
+    pulls = np.array([r.pull_s for r in pulled])
+    decisions = np.array((sim.prefill.decision_ns + sim.decode.decision_ns) or [0]) / 1e6
+    return {
+        "policy": policy, "prefill_replicas": len(sim.prefill.replicas),
+        "decode_replicas": len(sim.decode.replicas),
+        "requests": len(requests), "unfinished": len(requests) - len(done),
+        "disaggregated": sim.disaggregated, "skipped": dict(sim.skipped),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90), "itl_p99_s": percentile(itl, 99),
+        "hit_rate": not_computed / prompt if prompt else 0.0,
+        "output_tok_s": sum(r.output_tokens for r in done) / sim_s if sim_s else 0.0,
+        "pulled_gb": sum(r.pulled_tokens for r in pulled) * sim.params.kv_bytes_per_token / 1e9,
+        "pull_p50_s": percentile(pulls, 50), "pull_p90_s": percentile(pulls, 90),
+        "preempted": sum(r.preemptions > 0 for r in done),
+        "decision_p99_ms": float(np.percentile(decisions, 99)),
+        "sim_s": sim_s, "wall_s": wall_s, "sim_speedup": sim_s / wall_s if wall_s else 0.0,
+    }
