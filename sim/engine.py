@@ -153,6 +153,8 @@ class SimEngine:
         blocks = self._held.pop(request_id, None)
         if blocks is not None:
             self.pool.free(blocks)
+            if not self._busy and self.waiting:  # a request may have waited for these blocks
+                self._start_step()
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens not computed yet, of requests still in their prefill (vLLM's count)."""

@@ -121,8 +121,11 @@ def summary(policy: str, requests: list[SimRequest], sim: SimPDCluster, sim_s: f
     ttft = np.array([r.first_token - r.arrival for r in done])
     itl = np.array([r.itl_sum_s / r.itl_count for r in done if r.itl_count])
     prompt = sum(r.prompt_tokens for r in done)
-    not_computed = sum(sim.prefill_cached[r.request_id] if r.remote_kv else r.cached_tokens
-                       for r in done)
+    legs = [r for r in done if r.remote_kv]
+    direct = [r for r in done if not r.remote_kv]
+    prefill_hits = sum(sim.prefill_cached[r.request_id] for r in legs)
+    direct_hits = sum(r.cached_tokens for r in direct)
+    not_computed = prefill_hits + direct_hits
     pulled = [r for r in done if r.pulled_tokens]
     pulls = np.array([r.pull_s for r in pulled])
     decisions = np.array((sim.prefill.decision_ns + sim.decode.decision_ns) or [0]) / 1e6
@@ -134,6 +137,10 @@ def summary(policy: str, requests: list[SimRequest], sim: SimPDCluster, sim_s: f
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90), "itl_p99_s": percentile(itl, 99),
         "hit_rate": not_computed / prompt if prompt else 0.0,
+        # of the disaggregated requests' prompts, what the prefill engines had; of the others',
+        # what the decode engines had
+        "prefill_leg_hit_rate": _share(prefill_hits, legs),
+        "decode_only_hit_rate": _share(direct_hits, direct),
         "output_tok_s": sum(r.output_tokens for r in done) / sim_s if sim_s else 0.0,
         "pulled_gb": sum(r.pulled_tokens for r in pulled) * sim.params.kv_bytes_per_token / 1e9,
         "pull_p50_s": percentile(pulls, 50), "pull_p90_s": percentile(pulls, 90),
@@ -141,3 +148,8 @@ def summary(policy: str, requests: list[SimRequest], sim: SimPDCluster, sim_s: f
         "decision_p99_ms": float(np.percentile(decisions, 99)),
         "sim_s": sim_s, "wall_s": wall_s, "sim_speedup": sim_s / wall_s if wall_s else 0.0,
     }
+
+
+def _share(hits: int, requests: list[SimRequest]) -> float:
+    prompt = sum(r.prompt_tokens for r in requests)
+    return hits / prompt if prompt else 0.0

@@ -18,6 +18,7 @@ from sim.kvcache import BlockPool
 from sim.loop import EventLoop
 from sim.params import EngineParams, load
 from sim.pd import SimPDCluster
+from sim.pd import summary as pd_summary
 from sim.run import replay
 
 PARAMS = EngineParams(name="test", block_size=4, kv_blocks=64, max_num_batched_tokens=16,
@@ -303,6 +304,19 @@ def test_prefill_leg_holds_its_blocks_until_released() -> None:
     assert e.pool.used_blocks == 0 and e.pool.cached_prefix([1, 2]) != []
 
 
+def test_a_request_waiting_for_held_blocks_starts_when_they_are_released() -> None:
+    loop, e, *_ = engine(PD_PARAMS.with_kv_blocks(4))
+    held = SimRequest("a/prefill", 0.0, 9, [1, 2], 1, hold_kv=True)  # 3 of the 4 blocks
+    other = SimRequest("b/prefill", 0.0, 9, [3, 4], 1, hold_kv=True)
+    loop.at(0.0, lambda: e.add(held))
+    loop.at(0.0, lambda: e.add(other))
+    loop.run()
+    assert held.finished is not None and other.first_token is None  # 1 block free, 3 needed
+    loop.at(5.0, lambda: e.release("a/prefill"))
+    loop.run()
+    assert other.first_token is not None and other.first_token > 5.0
+
+
 def pd_cluster(**kw):
     loop = EventLoop()
     sim = SimPDCluster(loop, PD_PARAMS, "kv_aware", 1, 1, transfer_bytes_per_s=1e6,
@@ -330,6 +344,10 @@ def test_pd_prefills_long_prompts_once_and_decode_keeps_what_it_pulled() -> None
     assert prefill.pool.used_blocks == 0 and prefill.arrivals == 1  # released after the pull
     # the decode pool's router learned the pulled blocks from its engine's events
     assert sim.decode.service.index_entries() > 0
+    summary = pd_summary("kv_aware", [long, short, again], sim, loop.now, 1.0)
+    assert summary["prefill_leg_hit_rate"] == 0.0  # long was cold on prefill
+    assert summary["decode_only_hit_rate"] == pytest.approx(32 / (5 + 33))
+    assert summary["hit_rate"] == pytest.approx(32 / (33 + 5 + 33))
 
 
 def test_pd_keeps_long_prefills_out_of_decode_streams() -> None:
