@@ -388,3 +388,30 @@ def test_replay_command_runs_pd_pools_and_refuses_a_profile_without_kv_bytes(
         main(["replay", "--profile", "cpu-tiny", "--trace", str(trace), "--rate", "2",
               "--pd", "1:1"])
     assert "kv_bytes_per_token is not set" in capsys.readouterr().err
+
+
+def test_tokenfab_policies_size_prefill_and_decode_pools_each_by_its_own_load() -> None:
+    from autoscaler.serve_policy import PoolPolicy
+    from sim.autoscale import SimAutoscaler
+
+    loop = EventLoop()
+    sim = SimPDCluster(loop, PD_PARAMS.with_kv_blocks(512), "round_robin", 1, 1,
+                       transfer_bytes_per_s=1e6, min_prompt_tokens=8)
+    scalers = {
+        role: SimAutoscaler(loop, pool, PoolPolicy("app", role, role=role, min_replicas=1,
+                                                   max_replicas=4, target_ongoing=4,
+                                                   ttft_p90_s=1.0, itl_p90_s=0.1,
+                                                   downscale_delay_s=5.0), until=200.0)
+        for role, pool in (("prefill", sim.prefill), ("decode", sim.decode))}
+    # long prompts with two output tokens each: work for prefill, little for decode
+    burst = [request(f"b{i}", 1.0 + 0.05 * i, 200, workload.block_hashes([i], 50, 32, 4), 2)
+             for i in range(40)]
+    sim.submit(burst)
+    for scaler in scalers.values():
+        scaler.start()
+    loop.run()
+    assert all(r.finished is not None for r in burst)
+    prefill, decode = scalers["prefill"], scalers["decode"]
+    assert prefill.decisions[0][1:3] == (1, 4) and "backlog" in prefill.decisions[0][3]
+    assert sim.prefill.count("ready", "starting", "draining") == 1  # back down after calm
+    assert not decode.decisions and max(n for _, n in decode.timeline) == 1
