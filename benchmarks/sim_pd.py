@@ -118,8 +118,9 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["records"]:
         pulled = "" if r["transfer_gb_s"] is None else f"{r['pulled_gb']:.1f}"
         pull = "" if r["transfer_gb_s"] is None else f"{r['pull_p90_s'] * 1e3:.1f}"
-        via = "" if r["transfer_gb_s"] is None else \
-            f"{r['disaggregated']} | {r['prefill_leg_hit_rate']:.3f} | {r['decode_only_hit_rate']:.3f}"
+        via = "" if r["transfer_gb_s"] is None else (
+            f"{r['disaggregated']} | {r['prefill_leg_hit_rate']:.3f} | "
+            f"{r['decode_only_hit_rate']:.3f}")
         link = "" if r["transfer_gb_s"] is None else f"{r['transfer_gb_s']:g}"
         lines.append(
             f"| {r['rate_rps']:g} req/s | {r['setup']} | {link} | {r['ttft_p50_s']:.3f} | "

@@ -12,10 +12,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 
+BLOCK_TOKENS = 64  # the gateway's blocks, and how many it remembers
+CAPACITY_BLOCKS = 100_000
+
+
 class RecentPrefixes:
     """Owned by one task (the ingress event loop); not thread-safe."""
 
-    def __init__(self, block_tokens: int = 64, capacity_blocks: int = 100_000,
+    def __init__(self, block_tokens: int = BLOCK_TOKENS, capacity_blocks: int = CAPACITY_BLOCKS,
                  ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._block, self._capacity, self._ttl, self._clock = block_tokens, capacity_blocks, ttl_s, clock
         self._seen: OrderedDict[int, float] = OrderedDict()  # chained block hash -> last dispatch

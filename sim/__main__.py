@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except ValueError as exc:  # a profile, or options that do not fit it
+    except profiles.SimConfigError as exc:
         parser.exit(2, f"sim: {exc}\n")
 
 

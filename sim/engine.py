@@ -12,10 +12,11 @@ steps' times is closed-form, so a long decode costs the simulator a few events, 
 
 Disaggregated prefill, as vLLM's NixlConnector does it. A prefill leg (`hold_kv`) keeps its blocks
 after its one token until `release` (the decode side has read them). A decode leg (`remote_kv`),
-when the scheduler admits it, gets blocks for its prompt but the last token, reuses its cached
-prefix and pulls the rest, taking `pull_s(tokens)` seconds, outside the steps and their budget
-(vLLM's WAITING_FOR_REMOTE_KVS); then it waits at the head of the queue and computes the last
-prompt token like any prefill, which gives its first token.
+when the scheduler reaches it, gets blocks for its whole prompt, reuses its cached prefix and
+pulls the rest, taking `pull_s(tokens)` seconds, outside the steps and their budget (vLLM's
+WAITING_FOR_REMOTE_KVS); then it waits among the requests that hold KV, which are scheduled before
+any other waiting one (vLLM's `kv_holding_waiting`), and recomputes its last prompt token, which
+gives its first token.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class SimEngine:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.pulling: list[_Seq] = []  # decode legs whose KV is on its way
+        self.pulled: deque[_Seq] = deque()  # decode legs with their KV, waiting to be scheduled
         self._held: dict[str, list[int]] = {}  # blocks of ended prefill legs, until released
         self._pull_s, self._on_pulled = pull_s, on_pulled
         self._busy = False
@@ -146,7 +148,7 @@ class SimEngine:
             self._cut_fast_forward()
 
     def load(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.pulling)
+        return len(self.running) + len(self.waiting) + len(self.pulling) + len(self.pulled)
 
     def release(self, request_id: str) -> None:
         """A prefill leg's KV has been read (or will not be): its blocks go back to the pool."""
@@ -158,7 +160,7 @@ class SimEngine:
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens not computed yet, of requests still in their prefill (vLLM's count)."""
-        return sum(s.prefill_to - s.computed for s in (*self.running, *self.waiting)
+        return sum(s.prefill_to - s.computed for s in (*self.running, *self.pulled, *self.waiting)
                    if s.prefilling)  # not those pulling theirs
 
     def kv_usage(self) -> float:
@@ -211,15 +213,18 @@ class SimEngine:
                 batch.append((seq, n))
                 budget -= n
                 i += 1
+        while not preempted and self.pulled and budget > 0 and len(self.running) < p.max_num_seqs:
+            seq = self.pulled.popleft()  # its blocks are all there: it computes its last token
+            self.running.append(seq)
+            batch.append((seq, 1))
+            budget -= 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < p.max_num_seqs:
             seq = self.waiting[0]
             if seq.request.remote_kv and not seq.pulled and self._pull_s is not None:
-                pull = self._start_pull(seq)  # None: nothing to pull, admitted as any request
-                if pull is False:
+                if not self._start_pull(seq):
                     break
-                if pull:
-                    self.waiting.popleft()
-                    continue
+                self.waiting.popleft()
+                continue
             n = self._admit(seq, budget)
             if n == 0:
                 break
@@ -242,9 +247,6 @@ class SimEngine:
     def _admit(self, seq: _Seq, budget: int) -> int:
         """Tokens `seq` computes in this step if it can start now (0: it cannot): its cached
         prefix is reused (at least one prompt token is always computed)."""
-        if seq.blocks:  # pulled: the prompt's blocks but the last token's are its own already
-            n = min(seq.prefill_to - seq.computed, budget)
-            return n if self._grow(seq, n) else 0
         request, size = seq.request, self.params.block_size
         hits = self.pool.cached_prefix(request.block_hashes)[:(request.prompt_tokens - 1) // size]
         cached = len(hits) * size
@@ -260,20 +262,14 @@ class SimEngine:
             request.cached_tokens = cached
         return n
 
-    def _start_pull(self, seq: _Seq) -> bool | None:
-        """Blocks for the prompt but its last token: the cached prefix, and new ones for the rest,
-        which is pulled (True; False: not enough free blocks now). None: the prompt is cached
-        but its last token, nothing to pull."""
+    def _start_pull(self, seq: _Seq) -> bool:
+        """Blocks for the whole prompt: its cached prefix (never all of it), and new ones for the
+        rest, which is pulled (False: not enough free blocks now)."""
         request, size = seq.request, self.params.block_size
         hits = self.pool.cached_prefix(request.block_hashes)[:(request.prompt_tokens - 1) // size]
         cached = len(hits) * size
-        remote = request.prompt_tokens - 1 - cached
-        if remote <= 0:
-            seq.pulled = True
-            if self._on_pulled is not None:
-                self._on_pulled(request)
-            return None
-        need = math.ceil((request.prompt_tokens - 1) / size) - len(hits)
+        remote = request.prompt_tokens - cached
+        need = math.ceil(request.prompt_tokens / size) - len(hits)
         if need > self.pool.free_blocks - sum(self.pool.is_free(b) for b in hits):
             return False
         seq.pulled = True
@@ -287,11 +283,11 @@ class SimEngine:
         return True
 
     def _pulled(self, seq: _Seq) -> None:
-        """The pull is done: the pulled blocks are cached (their events go out with the next
-        step's) and the request waits first, to compute its last prompt token."""
+        """The pull is done: the pulled blocks full of prompt are cached (their events go out
+        with the next step's) and the request waits to recompute its last prompt token."""
         self.pulling.remove(seq)
         self._computed(seq, seq.request.prompt_tokens - 1 - seq.computed)
-        self.waiting.appendleft(seq)
+        self.pulled.append(seq)
         if self._on_pulled is not None:
             self._on_pulled(seq.request)
         if not self._busy:
@@ -311,8 +307,9 @@ class SimEngine:
     def _fast_forward(self, batch: list[tuple[_Seq, int]]) -> _FastForward | None:
         """Several identical decode steps as one, when nothing else can change before the first
         of these requests ends: nothing waits, all decode, their blocks for all steps are free."""
-        if not self._fast_forward_on or self.waiting or len(batch) != len(self.running) or any(
-                s.prefilling or s.generated == 0 for s, _ in batch):
+        if (not self._fast_forward_on or self.waiting or self.pulled
+                or len(batch) != len(self.running)
+                or any(s.prefilling or s.generated == 0 for s, _ in batch)):
             return None
         steps = min(s.request.output_tokens - s.generated for s, _ in batch)
         if steps < 2:

@@ -19,6 +19,10 @@ import msgspec
 PROFILES = Path(__file__).parent / "profiles"
 
 
+class SimConfigError(ValueError):
+    """A profile, or options that do not fit it (what `python -m sim` reports without a trace)."""
+
+
 class EngineParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     block_size: int
@@ -60,10 +64,11 @@ def load(name_or_path: str | Path) -> EngineParams:
         return msgspec.json.decode(path.read_bytes(), type=EngineParams)
     except FileNotFoundError as exc:
         known = sorted(p.stem for p in PROFILES.glob("*.json"))
-        raise ValueError(f"engine profile {str(name_or_path)!r}: no such file (known: {known})") \
+        raise SimConfigError(
+            f"engine profile {str(name_or_path)!r}: no such file (known: {known})") \
             from exc
     except msgspec.ValidationError as exc:
-        raise ValueError(f"engine profile {path}: {exc}") from exc
+        raise SimConfigError(f"engine profile {path}: {exc}") from exc
 
 
 def dump(params: EngineParams, path: Path) -> None:

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from router.recent_prefixes import RecentPrefixes, skip_prefill
+from router.recent_prefixes import BLOCK_TOKENS, CAPACITY_BLOCKS, RecentPrefixes, skip_prefill
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
-from sim.params import EngineParams
+from sim.params import EngineParams, SimConfigError
 from sim.run import percentile
 
 PREFILL, DECODE = "prefill", "decode"
@@ -40,9 +40,9 @@ class SimPDCluster:
                  min_prompt_tokens: int = 256, decode_cache_ttl_s: float = 300.0,
                  **cluster: Any) -> None:
         if transfer_bytes_per_s <= 0:
-            raise ValueError("transfer_bytes_per_s: must be > 0")
+            raise SimConfigError("transfer_bytes_per_s: must be > 0")
         if params.kv_bytes_per_token <= 0:
-            raise ValueError(f"profile {params.name}: kv_bytes_per_token is not set, and P/D "
+            raise SimConfigError(f"profile {params.name}: kv_bytes_per_token is not set, and P/D "
                              "needs it to time the KV pulls")
         self.loop, self.params = loop, params
         self.transfer_bytes_per_s, self.transfer_latency_s = (transfer_bytes_per_s,
@@ -52,8 +52,12 @@ class SimPDCluster:
                                   on_finished=self._prefilled, **cluster)
         self.decode = SimCluster(loop, params, policy, decode, pool=DECODE, prefix="d",
                                  pull_s=self.pull_s, on_pulled=self._pulled, **cluster)
-        self._on_decode = RecentPrefixes(block_tokens=params.block_size,
-                                         ttl_s=decode_cache_ttl_s, clock=loop.clock)
+        # the gateway's memory of what decode was sent, in the engine's blocks: as many tokens
+        # (its blocks are 64 tokens; here a prefix counts to the engine block, not to 64)
+        self._on_decode = RecentPrefixes(
+            block_tokens=params.block_size,
+            capacity_blocks=CAPACITY_BLOCKS * BLOCK_TOKENS // params.block_size,
+            ttl_s=decode_cache_ttl_s, clock=loop.clock)
         self._legs: dict[str, tuple[SimRequest, SimRequest]] = {}  # prefill leg id -> both
         self.skipped: dict[str, int] = {"short_prompt": 0, "cached_on_decode": 0}
         self.disaggregated = 0
@@ -134,8 +138,8 @@ def summary(policy: str, requests: list[SimRequest], sim: SimPDCluster, sim_s: f
         "decode_replicas": len(sim.decode.replicas),
         "requests": len(requests), "unfinished": len(requests) - len(done),
         "disaggregated": sim.disaggregated, "skipped": dict(sim.skipped),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90), "itl_p99_s": percentile(itl, 99),
+        **{f"ttft_p{q}_s": percentile(ttft, q) for q in (50, 90, 99)},
+        **{f"itl_p{q}_s": percentile(itl, q) for q in (50, 90, 99)},
         "hit_rate": not_computed / prompt if prompt else 0.0,
         # of the disaggregated requests' prompts, what the prefill engines had; of the others',
         # what the decode engines had

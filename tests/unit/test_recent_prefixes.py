@@ -1,10 +1,11 @@
-"""RecentPrefixes: block-aligned prefix matching, TTL expiry and the LRU bound, with a fake clock."""
+"""RecentPrefixes: block-aligned prefix matching, TTL expiry and the LRU bound, with a fake clock;
+the rule that sends a prompt straight to decode."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.recent_prefixes import RecentPrefixes
+from router.recent_prefixes import RecentPrefixes, skip_prefill
 
 
 class Clock:
@@ -47,3 +48,18 @@ def test_least_recently_used_blocks_leave_first() -> None:
     prefixes.record([9, 9])            # over capacity: ab leaves
     assert prefixes.cached_tokens([1, 2, 3, 4]) == 2
     assert prefixes.cached_tokens([7, 8]) == 2 and prefixes.cached_tokens([9, 9]) == 2
+
+
+def test_engine_block_hashes_count_like_token_blocks() -> None:
+    prefixes = RecentPrefixes(block_tokens=16, ttl_s=10, clock=(clock := Clock()))
+    prefixes.record_blocks([11, 12, 13])
+    assert prefixes.cached_blocks([11, 12, 99]) == 2 and prefixes.cached_blocks([99, 12]) == 0
+    clock.now = 11.0
+    assert prefixes.cached_blocks([11, 12]) == 0  # past the TTL
+
+
+def test_skip_prefill_names_why_decode_computes_the_prompt_itself() -> None:
+    assert skip_prefill(100, 0, 256) == "short_prompt"
+    assert skip_prefill(2000, 1920, 256) == "cached_on_decode"  # 80 tokens left for decode
+    assert skip_prefill(2000, 1664, 256) is None  # 336 left: worth a prefill leg
+    assert skip_prefill(256, 0, 256) is None

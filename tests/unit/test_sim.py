@@ -274,24 +274,48 @@ def test_profiled_latency_and_load_grow_with_the_rate() -> None:
 PD_PARAMS = msgspec.structs.replace(PARAMS, kv_bytes_per_token=1000)  # 1 ms a token at 1 MB/s
 
 
-def test_decode_leg_pulls_all_but_the_last_token_then_computes_it() -> None:
+def test_decode_leg_pulls_its_prompt_then_recomputes_the_last_token() -> None:
     loop, events, firsts, ends, pulled = EventLoop(), [], [], [], []
     e = SimEngine(loop, PD_PARAMS, "d", events.append, firsts.append, ends.append,
                   pull_s=lambda tokens: 0.001 * tokens, on_pulled=pulled.append)
     a = SimRequest("a", 0.0, 9, [1, 2], 3, remote_kv=True)  # 2 full blocks of 4, and a token
     loop.at(0.0, lambda: e.add(a))
     loop.run()
-    assert a.pulled_tokens == 8 and a.pull_s == pytest.approx(0.008) and pulled == [a]
+    assert a.pulled_tokens == 9 and a.pull_s == pytest.approx(0.009) and pulled == [a]
     assert a.cached_tokens == 0
-    # the pull is outside the steps; then one step computes the 9th token: 10 ms base, 1 ms a
+    # the pull is outside the steps; then one step recomputes the 9th token: 10 ms base, 1 ms a
     # token, 0.5 ms a request, 0.1 ms a KV token read (9)
-    assert a.first_token == pytest.approx(0.008 + 0.010 + 0.001 + 0.0005 + 0.0009)
+    assert a.first_token == pytest.approx(0.009 + 0.010 + 0.001 + 0.0005 + 0.0009)
     assert events[0][:2] == [(True, 1), (True, 2)]  # the pulled blocks are cached, then told
-    b = SimRequest("b", 1.0, 9, [1, 2], 3, remote_kv=True)  # its prompt is cached but a token
+    b = SimRequest("b", 1.0, 9, [1, 2], 3, remote_kv=True)  # cached on decode but its tail
     loop.at(1.0, lambda: e.add(b))
     loop.run()
-    assert b.pulled_tokens == 0 and b.cached_tokens == 8 and pulled == [a, b]
-    assert e.pool.used_blocks == 0 and not e.pulling
+    assert b.pulled_tokens == 1 and b.cached_tokens == 8 and pulled == [a, b]
+    assert e.pool.used_blocks == 0 and not e.pulling and not e.pulled
+
+
+def test_pulls_under_block_pressure_all_end() -> None:
+    """Decode legs hold blocks while they pull and until they run; they are scheduled before
+    other waiting requests (preempted ones included), so the engine never waits for itself."""
+    loop, e, *_ = engine(PD_PARAMS.with_kv_blocks(4))
+    e._pull_s, e._on_pulled = (lambda tokens: 0.001 * tokens), None
+    two = [SimRequest(r, 0.0, 9, [i], 3, remote_kv=True) for i, r in enumerate("ab")]
+    for r in two:
+        loop.at(0.0, lambda r=r: e.add(r))
+    loop.run()
+    assert all(r.finished is not None for r in two)
+    rng = random.Random(0)
+    for run in range(40):
+        loop, e, *_ = engine(PD_PARAMS.with_kv_blocks(12))
+        e._pull_s = lambda tokens: 0.001 * tokens
+        reqs = [SimRequest(f"{run}-{k}", 0.01 * k, rng.randint(2, 20),
+                           [rng.randint(0, 3) * 100 + j for j in range(4)][:rng.randint(0, 4)],
+                           rng.randint(1, 12), remote_kv=rng.random() < 0.6) for k in range(12)]
+        for r in reqs:
+            loop.at(r.arrival, lambda r=r: e.add(r))
+        loop.run()
+        assert all(r.finished is not None for r in reqs), run
+        assert e.pool.used_blocks == 0 and not (e.pulling or e.pulled or e.waiting or e.running)
 
 
 def test_prefill_leg_holds_its_blocks_until_released() -> None:
@@ -336,14 +360,15 @@ def test_pd_prefills_long_prompts_once_and_decode_keeps_what_it_pulled() -> None
     assert sim.disaggregated == 1
     assert sim.skipped == {"short_prompt": 1, "cached_on_decode": 1}
     assert (long.remote_kv, long.prefill_replica, long.replica) == (True, "p0", "d0")
-    assert long.pulled_tokens == 32 and long.pull_s == pytest.approx(0.002 + 0.032)
+    assert long.pulled_tokens == 33 and long.pull_s == pytest.approx(0.002 + 0.033)
     assert again.cached_tokens == 32 and not again.remote_kv  # the pulled blocks, reused
     # the client's first token is decode's: after both legs' overhead and the pull
     assert long.first_token - long.arrival > 2 * PD_PARAMS.request_overhead_s + long.pull_s
     prefill = sim.prefill.replicas["p0"].engine
     assert prefill.pool.used_blocks == 0 and prefill.arrivals == 1  # released after the pull
-    # the decode pool's router learned the pulled blocks from its engine's events
-    assert sim.decode.service.index_entries() > 0
+    # the decode pool's router learned the pulled blocks from its engine's events: long's 8
+    # full blocks, and short's one
+    assert sim.decode.service.replicas()["d0"]["cached_blocks"] == 9
     summary = pd_summary("kv_aware", [long, short, again], sim, loop.now, 1.0)
     assert summary["prefill_leg_hit_rate"] == 0.0  # long was cold on prefill
     assert summary["decode_only_hit_rate"] == pytest.approx(32 / (5 + 33))
@@ -382,7 +407,10 @@ def test_replay_command_runs_pd_pools_and_refuses_a_profile_without_kv_bytes(
           "--pd", "1:2"])
     result = json.loads(capsys.readouterr().out)
     assert (result["prefill_replicas"], result["decode_replicas"]) == (1, 2)
-    assert result["unfinished"] == 0 and result["disaggregated"] >= 1
+    # each conversation's first turn takes a prefill leg; later ones share its first 512
+    # tokens on decode: of 600 that leaves 88 (decode alone), of 1,000 it leaves 488 (prefill)
+    assert result["unfinished"] == 0 and result["disaggregated"] == 4
+    assert result["skipped"] == {"short_prompt": 0, "cached_on_decode": 2}
     assert result["pulled_gb"] > 0
     with pytest.raises(SystemExit):
         main(["replay", "--profile", "cpu-tiny", "--trace", str(trace), "--rate", "2",
