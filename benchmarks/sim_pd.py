@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from sim import params as profiles
 from sim import pd, workload
 from sim.run import replay
@@ -70,14 +72,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
                 records.append(base | {"setup": f"pd {prefill}:{decode}", "prefill": prefill,
                                        "decode": decode, "transfer_gb_s": gb_s, **result})
                 _print(records[-1])
-    return {"args": vars(args), "profile": msgspec_dict(params), "trace_requests": len(rows),
+    return {"args": vars(args), "profile": msgspec.to_builtins(params), "trace_requests": len(rows),
             "copies": copies, "records": records, "wall_s": time.monotonic() - began}
-
-
-def msgspec_dict(params: profiles.EngineParams) -> dict[str, Any]:
-    import msgspec
-
-    return msgspec.to_builtins(params)
 
 
 def _print(r: dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ class SimRequest:
     hold_kv: bool = False  # a prefill leg: keep its blocks after it ends, until `release`
     pulled_tokens: int = 0  # prompt tokens whose KV it pulled
     pull_s: float = 0.0  # how long the pull took
-    prefill_replica: str = ""  # where its prompt was prefilled (a decode leg)
+    prefill_leg: SimRequest | None = None  # a decode leg's prefill leg, once that has ended
     preemptions: int = 0
     itl_sum_s: float = 0.0  # sum and count of its inter-token gaps
     itl_count: int = 0

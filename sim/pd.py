@@ -58,10 +58,9 @@ class SimPDCluster:
             block_tokens=params.block_size,
             capacity_blocks=CAPACITY_BLOCKS * BLOCK_TOKENS // params.block_size,
             ttl_s=decode_cache_ttl_s, clock=loop.clock)
-        self._legs: dict[str, tuple[SimRequest, SimRequest]] = {}  # prefill leg id -> both
+        self._legs: dict[str, SimRequest] = {}  # prefill leg id -> its request
         self.skipped: dict[str, int] = {"short_prompt": 0, "cached_on_decode": 0}
         self.disaggregated = 0
-        self.prefill_cached: dict[str, int] = {}  # prefill engines' hits, by request
 
     def pull_s(self, tokens: int) -> float:
         return (self.transfer_latency_s
@@ -72,10 +71,10 @@ class SimPDCluster:
             self.loop.at(request.arrival, lambda r=request: self._arrive(r))
 
     def _arrive(self, request: SimRequest) -> None:
-        hashes = request.block_hashes
-        cached = (self._on_decode.cached_blocks(hashes) * self.params.block_size
-                  if request.prompt_tokens >= self.min_prompt_tokens else 0)
-        reason = skip_prefill(request.prompt_tokens, cached, self.min_prompt_tokens)
+        hashes, size = request.block_hashes, self.params.block_size
+        reason = skip_prefill(request.prompt_tokens,
+                              lambda: self._on_decode.cached_blocks(hashes) * size,
+                              self.min_prompt_tokens)
         if reason is not None:
             self.skipped[reason] += 1
             self._to_decode(request)
@@ -83,13 +82,12 @@ class SimPDCluster:
         self.disaggregated += 1
         leg = SimRequest(f"{request.request_id}/prefill", request.arrival, request.prompt_tokens,
                          hashes, 1, hold_kv=True)
-        self._legs[leg.request_id] = (leg, request)
+        self._legs[leg.request_id] = request
         self.prefill.route_now(leg)
 
     def _prefilled(self, leg: SimRequest) -> None:
-        _, request = self._legs[leg.request_id]
-        request.remote_kv, request.prefill_replica = True, leg.replica
-        self.prefill_cached[request.request_id] = leg.cached_tokens
+        request = self._legs.pop(leg.request_id)
+        request.remote_kv, request.prefill_leg = True, leg
         self._to_decode(request)
 
     def _to_decode(self, request: SimRequest) -> None:
@@ -97,8 +95,8 @@ class SimPDCluster:
         self.decode.route_now(request)
 
     def _pulled(self, request: SimRequest) -> None:
-        """Decode has the prompt's KV (or found it cached and pulled none): prefill lets go."""
-        leg, _ = self._legs.pop(f"{request.request_id}/prefill")
+        """Decode has the prompt's KV: prefill lets go of it."""
+        leg = request.prefill_leg
         replica = self.prefill.replicas.get(leg.replica)
         if replica is not None:
             replica.engine.release(leg.request_id)
@@ -127,7 +125,7 @@ def summary(policy: str, requests: list[SimRequest], sim: SimPDCluster, sim_s: f
     prompt = sum(r.prompt_tokens for r in done)
     legs = [r for r in done if r.remote_kv]
     direct = [r for r in done if not r.remote_kv]
-    prefill_hits = sum(sim.prefill_cached[r.request_id] for r in legs)
+    prefill_hits = sum(r.prefill_leg.cached_tokens for r in legs)
     direct_hits = sum(r.cached_tokens for r in direct)
     not_computed = prefill_hits + direct_hits
     pulled = [r for r in done if r.pulled_tokens]

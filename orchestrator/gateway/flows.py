@@ -166,9 +166,8 @@ class DisaggregatedFlow:
         if tokens is None:
             self.metrics.skipped("unknown_prompt")
             return False
-        cached = (self._on_decode.cached_tokens(tokens)
-                  if len(tokens) >= self._spec.min_prompt_tokens else 0)
-        reason = skip_prefill(len(tokens), cached, self._spec.min_prompt_tokens)
+        reason = skip_prefill(len(tokens), lambda: self._on_decode.cached_tokens(tokens),
+                              self._spec.min_prompt_tokens)
         if reason is not None:
             self.metrics.skipped(reason)
             return False

@@ -59,7 +59,10 @@ def test_engine_block_hashes_count_like_token_blocks() -> None:
 
 
 def test_skip_prefill_names_why_decode_computes_the_prompt_itself() -> None:
-    assert skip_prefill(100, 0, 256) == "short_prompt"
-    assert skip_prefill(2000, 1920, 256) == "cached_on_decode"  # 80 tokens left for decode
-    assert skip_prefill(2000, 1664, 256) is None  # 336 left: worth a prefill leg
-    assert skip_prefill(256, 0, 256) is None
+    def never() -> int:
+        raise AssertionError("a short prompt is not looked up")
+
+    assert skip_prefill(100, never, 256) == "short_prompt"
+    assert skip_prefill(2000, lambda: 1920, 256) == "cached_on_decode"  # 80 left for decode
+    assert skip_prefill(2000, lambda: 1664, 256) is None  # 336 left: worth a prefill leg
+    assert skip_prefill(256, lambda: 0, 256) is None

@@ -26,10 +26,10 @@ PARAMS = EngineParams(name="test", block_size=4, kv_blocks=64, max_num_batched_t
                       per_seq_s=0.0005, per_kv_token_s=0.0001, request_overhead_s=0.002)
 
 
-def engine(params: EngineParams = PARAMS, fast_forward: bool = True):
+def engine(params: EngineParams = PARAMS, fast_forward: bool = True, pull_s=None):
     loop, events, firsts, ends = EventLoop(), [], [], []
     e = SimEngine(loop, params, "e", events.append, firsts.append, ends.append,
-                  fast_forward=fast_forward)
+                  fast_forward=fast_forward, pull_s=pull_s)
     return loop, e, events, firsts, ends
 
 
@@ -297,8 +297,7 @@ def test_decode_leg_pulls_its_prompt_then_recomputes_the_last_token() -> None:
 def test_pulls_under_block_pressure_all_end() -> None:
     """Decode legs hold blocks while they pull and until they run; they are scheduled before
     other waiting requests (preempted ones included), so the engine never waits for itself."""
-    loop, e, *_ = engine(PD_PARAMS.with_kv_blocks(4))
-    e._pull_s, e._on_pulled = (lambda tokens: 0.001 * tokens), None
+    loop, e, *_ = engine(PD_PARAMS.with_kv_blocks(4), pull_s=lambda tokens: 0.001 * tokens)
     two = [SimRequest(r, 0.0, 9, [i], 3, remote_kv=True) for i, r in enumerate("ab")]
     for r in two:
         loop.at(0.0, lambda r=r: e.add(r))
@@ -306,8 +305,7 @@ def test_pulls_under_block_pressure_all_end() -> None:
     assert all(r.finished is not None for r in two)
     rng = random.Random(0)
     for run in range(40):
-        loop, e, *_ = engine(PD_PARAMS.with_kv_blocks(12))
-        e._pull_s = lambda tokens: 0.001 * tokens
+        loop, e, *_ = engine(PD_PARAMS.with_kv_blocks(12), pull_s=lambda tokens: 0.001 * tokens)
         reqs = [SimRequest(f"{run}-{k}", 0.01 * k, rng.randint(2, 20),
                            [rng.randint(0, 3) * 100 + j for j in range(4)][:rng.randint(0, 4)],
                            rng.randint(1, 12), remote_kv=rng.random() < 0.6) for k in range(12)]
@@ -359,7 +357,7 @@ def test_pd_prefills_long_prompts_once_and_decode_keeps_what_it_pulled() -> None
     assert all(r.finished is not None for r in (long, short, again))
     assert sim.disaggregated == 1
     assert sim.skipped == {"short_prompt": 1, "cached_on_decode": 1}
-    assert (long.remote_kv, long.prefill_replica, long.replica) == (True, "p0", "d0")
+    assert (long.remote_kv, long.prefill_leg.replica, long.replica) == (True, "p0", "d0")
     assert long.pulled_tokens == 33 and long.pull_s == pytest.approx(0.002 + 0.033)
     assert again.cached_tokens == 32 and not again.remote_kv  # the pulled blocks, reused
     # the client's first token is decode's: after both legs' overhead and the pull
