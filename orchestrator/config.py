@@ -59,7 +59,7 @@ class ModelSpec(_Strict):
 
 
 class RouterSpec(_Strict):
-    """How the gateway picks a replica of a unified or prefill pool (decode pools: least_loaded).
+    """How the gateway picks a replica of a pool (decode pools whose ranks Ray places: least_loaded).
 
     Formulas and worked examples: router/README.md.
     """
@@ -168,10 +168,12 @@ class DisaggregationSpec(_Strict):
 
     min_prompt_tokens: int = Field(
         256, ge=0, description="Requests that leave decode fewer tokens than this to compute (short "
-        "prompts, or prompts whose prefix decode was recently sent) skip the prefill pool.",
+        "prompts, or prompts whose prefix decode holds) skip the prefill pool.",
     )
     decode_cache_ttl_s: float = Field(
-        300.0, gt=0, description="How long a prefix sent to decode counts as cached there.",
+        300.0, gt=0, description="How long a prefix sent to decode counts as cached there, where "
+        "the decode pool's router follows no KV events (round_robin, least_loaded, "
+        "prefix_approx, or backend ray); with them, what decode's engines report decides.",
     )
     prefill_timeout_s: float = Field(
         30.0, gt=0, description="Deadline of the prefill leg; past it decode recomputes the prompt."
@@ -364,7 +366,7 @@ class Topology(_Strict):
                     "where their KV events stay (vLLM's publisher has no authentication to carry "
                     "them off a node), so the kv_aware router could not follow them; use backend "
                     "mp (a replica per node) for a pool routed by kv_aware, or ray for decode "
-                    "pools, which are routed by load")
+                    "pools, which are then routed by load")
         return self
 
     @model_validator(mode="after")
@@ -394,9 +396,15 @@ def pool_deployment_name(pool: str) -> str:
 
 
 def routing_policy(topology: Topology, pool: PoolSpec) -> str:
-    """The policy that places requests on this pool's replicas. Decode replicas are chosen by
-    load: their prompt arrives over KV transfer, so cache affinity buys nothing there."""
-    return "least_loaded" if pool.role == "decode" else topology.router.policy
+    """The policy that places requests on this pool's replicas: the router's, in every pool
+    whose engines' KV events the gateway can follow. A decode replica's cache matters as a
+    prefill replica's does: it pulls only what it does not hold (vLLM's connector counts its own
+    prefix hits first), and the turns whose prefix decode holds skip the prefill pool and go to
+    it alone. A decode pool whose ranks Ray places on other nodes keeps its events there, so it
+    is placed by load (any other pool routed by kv_aware must not do so: `Topology` says why)."""
+    if pool.role == "decode" and pool.parallel.backend == "ray":
+        return "least_loaded"
+    return topology.router.policy
 
 
 def format_errors(source: str, exc: ValidationError) -> list[str]:

@@ -139,6 +139,28 @@ class RoutingService:
             self._metrics.prompt_tokens.labels(self.pool).inc(key.prompt_tokens)
             self._metrics.predicted_cached.labels(self.pool).inc(cached)
 
+    @property
+    def follows_events(self) -> bool:
+        """Whether the engines' KV events feed this service's block map (its policy reads it)."""
+        return self._follow_events
+
+    def cached_tokens(self, key: RouteKey) -> int | None:
+        """Leading tokens of the prompt that the replica with most of them holds or was sent,
+        as far as the engines' events tell: the block map, and this router's dispatches (until
+        an eviction the engine reports ends them). None when no events feed this service: then
+        it knows nothing of evictions and says nothing.
+
+        Example (block 16): a replica holds the first 40 blocks of a 1,000-token prompt, another
+        was sent its first 50 a moment ago (no event yet) -> 800."""
+        if not self._follow_events:
+            return None
+        hashes = key.block_hashes
+        if not hashes:
+            return 0
+        held, sent = self._index.longest_prefix(hashes), self._history.longest_prefix(hashes)
+        blocks = max(max(held.values(), default=0), max(sent.values(), default=0))
+        return min(blocks * key.block_size, key.prompt_tokens)
+
     def first_token(self, request_id: str) -> None:
         self._tracker.first_token(request_id)
 

@@ -58,7 +58,9 @@ class SimCluster:
         bounds = {"max_index_entries": max_index_entries,
                   "max_history_entries": max_history_entries}
         extra = {name: value for name, value in bounds.items() if value is not None}
-        self.service = RoutingService(pool, self.policy, _no_hasher, follow_events=False,
+        # its engines' events reach it through `apply_events` (the views name no endpoint to
+        # follow); `follow_events` says that a policy reading the block map has one fed
+        self.service = RoutingService(pool, self.policy, _no_hasher, follow_events=True,
                                       clock=loop.clock, **extra)
         self.max_ongoing, self.event_lag_s, self.refresh_s = (max_ongoing_requests, event_lag_s,
                                                               refresh_s)

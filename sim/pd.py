@@ -1,7 +1,8 @@
 """Prefill and decode pools in simulation, joined as tokenfab's gateway joins them.
 
 A request whose prompt would leave decode at least `min_prompt_tokens` to compute (the gateway's
-rule, `router.recent_prefixes.skip_prefill`, over the prefixes recently sent to decode) first
+rule, `router.recent_prefixes.skip_prefill`, over what decode's block map holds or, where decode's
+router follows no events, the prefixes recently sent to decode) first
 goes to the prefill pool with one output token; its blocks stay on that engine. When it ends, the
 same request goes to the decode pool, whose engine pulls the prompt's KV when it admits it:
 `transfer_latency_s + tokens x params.kv_bytes_per_token / transfer_bytes_per_s`, then frees the
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from router.recent_prefixes import BLOCK_TOKENS, CAPACITY_BLOCKS, RecentPrefixes, skip_prefill
+from router.wire import RouteKey
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
@@ -54,7 +56,8 @@ class SimPDCluster:
                                  pull_s=self.pull_s, on_pulled=self._pulled, **cluster)
         # the gateway's memory of what decode was sent, in the engine's blocks: as many tokens
         # (its blocks are 64 tokens; here a prefix counts to the engine block, not to 64)
-        self._on_decode = RecentPrefixes(
+        # (where decode's router follows no block map: the gateway does the same)
+        self._on_decode = None if self.decode.service.follows_events else RecentPrefixes(
             block_tokens=params.block_size,
             capacity_blocks=CAPACITY_BLOCKS * BLOCK_TOKENS // params.block_size,
             ttl_s=decode_cache_ttl_s, clock=loop.clock)
@@ -70,10 +73,19 @@ class SimPDCluster:
         for request in requests:
             self.loop.at(request.arrival, lambda r=request: self._arrive(r))
 
+    def _cached_on_decode(self, request: SimRequest) -> int:
+        """What the gateway's `DisaggregatedFlow` counts: decode's block map, where its router
+        reads one (`RoutingService.cached_tokens`), else the prefixes it recently sent there."""
+        service = self.decode.service
+        if self._on_decode is None:
+            return service.cached_tokens(RouteKey(request.request_id, request.prompt_tokens,
+                                                  self.params.block_size,
+                                                  list(request.block_hashes))) or 0
+        return self._on_decode.cached_blocks(request.block_hashes) * self.params.block_size
+
     def _arrive(self, request: SimRequest) -> None:
-        hashes, size = request.block_hashes, self.params.block_size
-        reason = skip_prefill(request.prompt_tokens,
-                              lambda: self._on_decode.cached_blocks(hashes) * size,
+        hashes = request.block_hashes
+        reason = skip_prefill(request.prompt_tokens, lambda: self._cached_on_decode(request),
                               self.min_prompt_tokens)
         if reason is not None:
             self.skipped[reason] += 1
@@ -91,7 +103,8 @@ class SimPDCluster:
         self._to_decode(request)
 
     def _to_decode(self, request: SimRequest) -> None:
-        self._on_decode.record_blocks(request.block_hashes)
+        if self._on_decode is not None:
+            self._on_decode.record_blocks(request.block_hashes)
         self.decode.route_now(request)
 
     def _pulled(self, request: SimRequest) -> None:

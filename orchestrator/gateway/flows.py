@@ -134,7 +134,10 @@ class DisaggregatedFlow:
                  metrics: TransferMetrics) -> None:
         self._prefill, self._decode, self._spec, self.metrics = prefill, decode, spec, metrics
         self.pools = {prefill.pool: prefill, decode.pool: decode}
-        self._on_decode = RecentPrefixes(ttl_s=spec.decode_cache_ttl_s)
+        # what decode holds: its engines' KV events, where its router follows them (they report
+        # evictions); else the prompts sent to it lately
+        self._on_decode = None if decode.service.follows_events \
+            else RecentPrefixes(ttl_s=spec.decode_cache_ttl_s)
 
     @property
     def needs_tokens(self) -> bool:
@@ -146,17 +149,17 @@ class DisaggregatedFlow:
 
     async def serve(self, call: Call, keys: dict[str, RouteKey]) -> Usage | None:
         params = None
-        if self._worth_disaggregating(call):
+        decode_key = keys[self._decode.pool]
+        if self._worth_disaggregating(call, decode_key):
             params = await self._prefill_leg(call, keys[self._prefill.pool])
             if isinstance(params, Usage):  # the request itself is invalid: answered as is
                 return params
         self.metrics.path("disaggregated" if params else "decode_only")
-        if call.tokens:
+        if call.tokens and self._on_decode is not None:
             self._on_decode.record(call.tokens)  # decode will hold these blocks
-        return await _leg(self._decode, call, keys[self._decode.pool],
-                          decode_body(call.body, params))
+        return await _leg(self._decode, call, decode_key, decode_body(call.body, params))
 
-    def _worth_disaggregating(self, call: Call) -> bool:
+    def _worth_disaggregating(self, call: Call, decode_key: RouteKey) -> bool:
         """Only when decode would otherwise compute at least `min_prompt_tokens` itself
         (`skip_prefill`), for one choice of a prompt whose tokens are known."""
         body, tokens = call.body, call.tokens
@@ -166,8 +169,13 @@ class DisaggregatedFlow:
         if tokens is None:
             self.metrics.skipped("unknown_prompt")
             return False
-        reason = skip_prefill(len(tokens), lambda: self._on_decode.cached_tokens(tokens),
-                              self._spec.min_prompt_tokens)
+
+        def cached_on_decode() -> int:
+            if self._on_decode is not None:
+                return self._on_decode.cached_tokens(tokens)
+            return self._decode.service.cached_tokens(decode_key) or 0
+
+        reason = skip_prefill(len(tokens), cached_on_decode, self._spec.min_prompt_tokens)
         if reason is not None:
             self.metrics.skipped(reason)
             return False

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import Topology, load_topology, parse_topology
+from orchestrator.config import Topology, load_topology, parse_topology, routing_policy
 from tokenfab.errors import TopologyError
 
 TOPOLOGIES = Path(__file__).resolve().parents[2] / "deploy" / "topologies"
@@ -224,12 +224,18 @@ def test_parallel_shapes_that_run() -> None:
     dense = parse_topology(with_pool(parallel={"data": 2}, resources={
         "cpus": 2, "kv_cache_bytes": "1MiB"}), SOURCE).pools[0]
     assert (dense.parallel.data, dense.parallel.ranks) == (2, 2)
-    wide = parse_topology(doc(model=MOE, pools=[
+    topology = parse_topology(doc(model=MOE, pools=[
         pool(name="prefill", role="prefill", parallel={"data": 8, "expert": True},
              resources={"gpus": 8}),
         pool(name="decode", role="decode", resources={"gpus": 16},
-             parallel={"data": 16, "expert": True, "backend": "ray"})]), SOURCE).pools[1]
+             parallel={"data": 16, "expert": True, "backend": "ray"})]), SOURCE)
+    wide = topology.pools[1]
     assert (wide.parallel.ranks, wide.parallel.expert, wide.resources.gpus) == (16, True, 16)
+    # its ranks' KV events stay on their nodes: placed by load; an mp decode pool by the router
+    assert [routing_policy(topology, p) for p in topology.pools] == ["kv_aware", "least_loaded"]
+    local = parse_topology(doc(pools=[pool(name="p", role="prefill"),
+                                      pool(name="d", role="decode")]), SOURCE)
+    assert [routing_policy(local, p) for p in local.pools] == ["kv_aware", "kv_aware"]
     with pytest.raises(TopologyError, match=r"pools.0.parallel.backend \(main\): ray places "
                        "ranks on other nodes, where their KV events stay"):
         parse_topology(doc(model=MOE, pools=[pool(parallel={"data": 16, "backend": "ray"},

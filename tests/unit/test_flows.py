@@ -30,6 +30,8 @@ from kvtransfer.params import REMOTE_DECODE, decode_body, is_transferable, prefi
 from orchestrator.config import DisaggregationSpec
 from pools.engine import LoadSnapshot
 from pools.registry import RankReport, ReplicaReport
+from router.events import BlockRemoved, BlockStored, KVEventBatch
+from router.hashing import PrefixBlockHasher
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
@@ -508,6 +510,36 @@ def test_prompt_recently_sent_to_decode_skips_the_prefill_pool() -> None:
         for prompt in ("x", "x", "y"):
             await serve(flow, call(BODY | {"prompt": prompt}))
         assert [body["prompt"] for _, body in prefill.requests] == ["x", "y"]
+        assert dict(flow.metrics.tally) == {
+            "requests_disaggregated": 2, "skipped_cached_on_decode": 1, "requests_decode_only": 1}
+    run(scenario())
+
+
+def test_decode_block_map_decides_what_skips_the_prefill_pool() -> None:
+    # decode's router follows its engines' events (kv_aware): a prompt sent to decode counts as
+    # there until decode reports evicting it; then it takes the prefill leg again, where the
+    # gateway's memory of what it sent (RecentPrefixes) would count it for its whole TTL
+    async def scenario() -> None:
+        prefill = await ScriptedReplica("p1", *[whole(200, {"kv_transfer_params": PARAMS})] * 2
+                                        ).start()
+        decode = await ScriptedReplica("d1", DECODED, DECODED, DECODED).start()
+        service = RoutingService("decode", build_policy("kv_aware"),
+                                 lambda size: PrefixBlockHasher(size, "sha256"))
+        pools = (pool("prefill", prefill), pool("decode", decode, service=service))
+        pools[1].update([msgspec.structs.replace(decode.report("decode"), block_size=16,
+                                                 kv_blocks=1000)])
+        await connected(*pools)
+        spec = DisaggregationSpec(min_prompt_tokens=100)
+        flow = DisaggregatedFlow(*pools, spec, TransferMetrics(CollectorRegistry()))
+        request = call(BODY)
+        hashes = flow.keys("req-1", request.tokens, None)["decode"].block_hashes
+        assert len(hashes) == 31  # 500 tokens
+        await serve(flow, request)  # nothing on decode: prefilled, then sent to decode
+        service.apply_events("d1", KVEventBatch(1.0, [BlockStored(hashes, None, [], 16, None, None, None)]))
+        await serve(flow, call(BODY))  # decode holds it: decode alone
+        service.apply_events("d1", KVEventBatch(2.0, [BlockRemoved(hashes[20:], None)]))
+        await serve(flow, call(BODY))  # 320 of 500 tokens left there: 180 to compute, prefilled
+        assert len(prefill.requests) == 2 and len(decode.requests) == 3
         assert dict(flow.metrics.tally) == {
             "requests_disaggregated": 2, "skipped_cached_on_decode": 1, "requests_decode_only": 1}
     run(scenario())
