@@ -173,7 +173,9 @@ class DisaggregationSpec(_Strict):
     decode_cache_ttl_s: float = Field(
         300.0, gt=0, description="How long a prefix sent to decode counts as cached there, where "
         "the decode pool's router follows no KV events (round_robin, least_loaded, "
-        "prefix_approx, or backend ray); with them, what decode's engines report decides.",
+        "prefix_approx, or backend ray); with them, what decode's engines report decides (a "
+        "data-parallel decode pool under router.dp_ranks: engine reports nothing: every prompt of "
+        "min_prompt_tokens or more then takes the prefill leg).",
     )
     prefill_timeout_s: float = Field(
         30.0, gt=0, description="Deadline of the prefill leg; past it decode recomputes the prompt."

@@ -65,12 +65,13 @@ class RecentPrefixes:
 def skip_prefill(prompt_tokens: int, cached_on_decode: Callable[[], int],
                  min_prompt_tokens: int) -> str | None:
     """Why a prompt goes straight to decode (None: it is worth a prefill leg): decode would
-    compute fewer than `min_prompt_tokens` of it itself, being short or mostly sent to decode
-    recently (`cached_on_decode` counts those tokens; a short prompt is not looked up). The
-    gateway's `DisaggregatedFlow` and the simulator's P/D pools both decide so.
+    compute fewer than `min_prompt_tokens` of it itself, being short or mostly held by decode
+    (`cached_on_decode` counts those tokens: from decode's block map, or the prompts recently
+    sent there; a short prompt is not looked up). The gateway's `DisaggregatedFlow` and the
+    simulator's P/D pools both decide so.
 
-    Example (min 256): a 2,000-token prompt whose first 1,920 tokens decode was recently sent
-    leaves 80 to compute: decode does that faster than a prefill leg plus a transfer.
+    Example (min 256): a 2,000-token prompt whose first 1,920 tokens decode holds leaves 80 to
+    compute: decode does that faster than a prefill leg plus a transfer.
     """
     if prompt_tokens < min_prompt_tokens:
         return "short_prompt"

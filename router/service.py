@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import zmq.asyncio
@@ -26,6 +26,7 @@ from router.load import CacheChurn, DispatchHistory, LoadTracker
 from router.metrics import RouterMetrics
 from router.plugins import Candidate, RouteRequest
 from router.policies import Policy
+from router.scorers import OverloadFilter
 from router.ttft_model import TTFTModel, TTFTParams
 from router.wire import ReplicaView, RouteKey
 
@@ -145,21 +146,41 @@ class RoutingService:
         return self._follow_events
 
     def cached_tokens(self, key: RouteKey) -> int | None:
-        """Leading tokens of the prompt that the replica with most of them holds or was sent,
-        as far as the engines' events tell: the block map, and this router's dispatches (until
-        an eviction the engine reports ends them). None when no events feed this service: then
-        it knows nothing of evictions and says nothing.
+        """Prompt tokens the engine would not compute, on the replica that holds most of the
+        prompt among those this router could choose for it now, as the engines' KV events tell
+        (the block map: it sees evictions). None when no events feed this service.
 
-        Example (block 16): a replica holds the first 40 blocks of a 1,000-token prompt, another
-        was sent its first 50 a moment ago (no event yet) -> 800."""
+        Only replicas the policy could pick count: known, their circuit breaker closed, and not
+        dropped by its overload filter (at `max_in_flight` while another replica has room), so
+        the count is the cache of a replica the request can go to. An engine computes at least
+        a prompt's last token, so a prompt held whole counts its last block as computed.
+
+        Example (block 16): of a 1,000-token prompt, replica a holds 40 blocks and is at its
+        in-flight bound, b holds 20 and has room -> 320."""
         if not self._follow_events:
             return None
         hashes = key.block_hashes
         if not hashes:
             return 0
-        held, sent = self._index.longest_prefix(hashes), self._history.longest_prefix(hashes)
-        blocks = max(max(held.values(), default=0), max(sent.values(), default=0))
-        return min(blocks * key.block_size, key.prompt_tokens)
+        held = self._index.longest_prefix(hashes)
+        blocks = max((held[r] for r in self._placeable(held)), default=0)
+        return min(blocks, (key.prompt_tokens - 1) // key.block_size) * key.block_size
+
+    def _placeable(self, replicas: Iterable[ReplicaId]) -> list[ReplicaId]:
+        """Those of `replicas` the policy could choose now (see `cached_tokens`)."""
+        chosen = [r for r in replicas if r in self._views and self._breakers.allows(r)]
+        limit = next((f.max_in_flight for f in self.policy.filters
+                      if isinstance(f, OverloadFilter)), None)
+        if limit is None:
+            return chosen
+
+        def full(replica: ReplicaId) -> bool:
+            return max(self._tracker.in_flight(replica),
+                       self._views[replica].in_flight) >= limit
+
+        if all(full(r) for r in self._views):  # the filter keeps every replica then
+            return chosen
+        return [r for r in chosen if not full(r)]
 
     def first_token(self, request_id: str) -> None:
         self._tracker.first_token(request_id)

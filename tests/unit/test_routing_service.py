@@ -276,6 +276,37 @@ def test_unscored_fallbacks_come_before_replicas_the_overload_filter_dropped() -
     assert ranked[-1] == pool[0] and sorted(ranked) == sorted(pool)
 
 
+def test_cached_tokens_count_a_replica_the_request_can_go_to() -> None:
+    """What decode holds, for the P/D gateway's skip: the block map's longest prefix on a
+    replica the policy could choose now (not one its overload filter or breaker drops), less the
+    last token's block of a prompt held whole; None without events."""
+    from router.events import BlockRemoved, BlockStored, KVEventBatch
+
+    a, b, c = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+    policy = build_policy("kv_aware", max_in_flight=2, rng=random.Random(0))
+    service = RoutingService("decode", policy, PrefixBlockHasher, follow_events=True)
+    service.set_replicas([ReplicaView(replica=r, pool="decode", block_size=BLOCK, kv_blocks=100)
+                          for r in (a, b, c)])
+    for replica, hashes in ((a, [1, 2, 3, 4]), (b, [1, 2])):
+        service.apply_events(replica, KVEventBatch(0.0, [BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=BLOCK,
+            lora_id=None, medium="GPU", lora_name=None)]))
+    key = RouteKey("q", 4 * BLOCK, BLOCK, [1, 2, 3, 4])
+    assert service.cached_tokens(key) == 3 * BLOCK  # all of it on a; its last block recomputed
+    assert service.cached_tokens(RouteKey("q", 4 * BLOCK + 5, BLOCK, [1, 2, 3, 4])) == 4 * BLOCK
+    for i in range(2):  # a at its in-flight bound while b and c have room: b's 2 blocks count
+        service.dispatched(RouteKey(f"r{i}", BLOCK, BLOCK, [9]), a)
+    assert service.cached_tokens(key) == 2 * BLOCK
+    for i in range(2):  # every replica at the bound: the filter keeps all, a counts again
+        service.dispatched(RouteKey(f"s{i}", BLOCK, BLOCK, [9]), b)
+        service.dispatched(RouteKey(f"t{i}", BLOCK, BLOCK, [9]), c)
+    assert service.cached_tokens(key) == 3 * BLOCK
+    service.apply_events(a, KVEventBatch(1.0, [BlockRemoved(block_hashes=[3, 4], medium=None)]))
+    assert service.cached_tokens(key) == 2 * BLOCK  # an eviction the engine reports ends it
+    unfed = RoutingService("decode", build_policy("least_loaded"), PrefixBlockHasher)
+    assert unfed.cached_tokens(key) is None
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
