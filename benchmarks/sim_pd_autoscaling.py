@@ -1,0 +1,262 @@
+"""Prefill and decode pools autoscaled, in simulation: quiet, burst, quiet, each pool sized by
+tokenfab's policy on its own signals, against a unified pool autoscaled and against static pools,
+one run.
+
+The workload and the SLO are `sim_autoscaling.py`'s (the Mooncake trace's requests as a Poisson
+process at each phase's rate, TTFT <= --ttft-slo and mean inter-token gap <= --itl-slo per
+request); the P/D cluster is `sim.pd`'s (the gateway's rule for which prompts take a prefill leg,
+pulls timed by bytes over --transfer-gb-s). Setups:
+
+- unified_autoscaler: one pool, tokenfab's policy with its plan (capacity profiled first, in this
+  run, as sim_autoscaling.py does), --min..--max replicas;
+- pd_autoscaler: a prefill pool and a decode pool, each with tokenfab's policy for its role (a
+  prefill pool reads its engines' TTFT and prompt backlog, a decode pool their inter-token
+  latency; Serve runs one policy per deployment), without a plan (no capacity is profiled per
+  role), each from --pd-min replicas up to the --pd-max bound;
+- pd_static: the --pd-static split all the time;
+- unified_static: --max replicas all the time.
+
+Replica-seconds count both pools, every replica from its start until it is gone. The plot shows
+each setup's replicas held, and the P/D setups' prefill and decode pools apart.
+
+    .venv/bin/python benchmarks/sim_pd_autoscaling.py [--ramp-s 300]
+
+Writes benchmarks/results/sim_pd_autoscaling.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from autoscaler.serve_policy import PoolPolicy
+from autoscaling import arrivals
+from sim import params as profiles
+from sim import workload
+from sim.autoscale import SimAutoscaler
+from sim.cluster import SimCluster
+from sim.engine import SimRequest
+from sim.loop import EventLoop
+from sim.pd import SimPDCluster
+from sim.profile import Capacity
+from sim_autoscaling import TRACE, by_window, profile, requests, schedule, windows
+
+RESULTS = Path(__file__).parent / "results"
+SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_static", "unified_static"]
+
+
+def _split(value: str) -> tuple[int, int]:
+    prefill, decode = (int(n) for n in value.split(":"))
+    return prefill, decode
+
+
+def _still(ctx: Any) -> tuple[int, dict[str, Any]]:
+    return ctx.target_num_replicas, {}
+
+
+def _policy(role: str, low: int, high: int, args: argparse.Namespace,
+            capacity: Capacity | None) -> PoolPolicy:
+    return PoolPolicy("sim", role, role=role, min_replicas=low, max_replicas=high,
+                      ttft_p90_s=args.ttft_slo, itl_p90_s=args.itl_slo,
+                      target_ongoing=capacity.ongoing_per_replica if capacity else 8.0,
+                      downscale_delay_s=30.0, replica_start_s=args.replica_start_s,
+                      capacity_rps=capacity.rate_per_replica if capacity else 0.0)
+
+
+def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: float,
+        args: argparse.Namespace, capacity: Capacity) -> dict[str, Any]:
+    loop = EventLoop()
+    scalers: dict[str, SimAutoscaler] = {}
+    until = end + 60.0
+    if setup.startswith("unified"):
+        start = args.max if setup == "unified_static" else args.min
+        pool = SimCluster(loop, params, "kv_aware", start, max_ongoing_requests=args.max_ongoing)
+        pool.submit(reqs)
+        policy = _policy("unified", args.min, args.max, args, capacity) \
+            if setup == "unified_autoscaler" else _still
+        scalers["unified"] = SimAutoscaler(loop, pool, policy, until=until)
+    else:
+        low, high = _split(args.pd_min), _split(args.pd_max)
+        prefill, decode = _split(args.pd_static) if setup == "pd_static" else low
+        sim = SimPDCluster(loop, params, "kv_aware", prefill, decode,
+                           transfer_bytes_per_s=args.transfer_gb_s * 1e9,
+                           transfer_latency_s=args.transfer_latency_ms / 1e3,
+                           max_ongoing_requests=args.max_ongoing)
+        sim.submit(reqs)
+        for index, (role, pool) in enumerate((("prefill", sim.prefill), ("decode", sim.decode))):
+            policy = _policy(role, low[index], high[index], args, None) \
+                if setup == "pd_autoscaler" else _still
+            scalers[role] = SimAutoscaler(loop, pool, policy, until=until)
+    began = time.perf_counter()
+    for scaler in scalers.values():
+        scaler.start()
+    loop.run()
+    done = [r for r in reqs if r.first_token is not None]
+    ttft = np.array([r.first_token - r.arrival for r in done])
+    itl = np.array([r.itl_sum_s / r.itl_count if r.itl_count else 0.0 for r in done])
+    met = sum(t <= args.ttft_slo and i <= args.itl_slo for t, i in zip(ttft, itl))
+    return {"setup": setup, "requests": len(reqs), "unfinished": len(reqs) - len(done),
+            "slo_attainment": met / len(reqs),
+            "replica_seconds": sum(s.replica_seconds for s in scalers.values()),
+            "replica_seconds_by_pool": {role: s.replica_seconds for role, s in scalers.items()},
+            "slo_attainment_by_window": by_window(reqs, windows(args, params), args),
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "itl_p90_s": float(np.percentile(itl, 90)),
+            "itl_p99_s": float(np.percentile(itl, 99)),
+            "max_replicas_by_pool": {role: max(n for _, n in s.timeline)
+                                     for role, s in scalers.items()},
+            "scale_changes": sum(len(s.decisions) for s in scalers.values()),
+            "timeline_by_pool": {role: s.timeline[::5] for role, s in scalers.items()},
+            "wall_s": time.perf_counter() - began}
+
+
+def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for r in records:
+        pools = r["timeline_by_pool"]
+        times = [t for t, _ in next(iter(pools.values()))]
+        held = [sum(n for n in counts) for counts in zip(*([n for _, n in tl]
+                                                            for tl in pools.values()))]
+        top.step(times, held, where="post", label=f"{r['setup']} (SLO {r['slo_attainment']:.3f}, "
+                 f"{r['replica_seconds'] / 3600:.1f} replica-h)")
+        if "prefill" in pools and r["setup"] == "pd_autoscaler":
+            for role, style in (("prefill", "-"), ("decode", "--")):
+                t, n = zip(*pools[role])
+                bottom.step(t, n, where="post", linestyle=style, label=f"{r['setup']}: {role}")
+    for ax in (top, bottom):
+        edge = 0.0
+        for seconds, _ in phases[:-1]:
+            edge += seconds
+            ax.axvline(edge, color="grey", linestyle=":")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    top.set_ylabel("replicas held, all pools")
+    bottom.set_ylabel("replicas held, per pool")
+    bottom.set_xlabel("simulated time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="h100-llama-3.1-8b")
+    parser.add_argument("--phases", default="900,600,600", help="seconds of each phase")
+    parser.add_argument("--rates", default="8,45,8", help="requests/s of each phase")
+    parser.add_argument("--ramp-s", type=float, default=0.0,
+                        help="each phase reaches its rate over this many seconds (0: a step)")
+    parser.add_argument("--min", type=int, default=8, help="unified pool's least replicas")
+    parser.add_argument("--max", type=int, default=64, help="unified pool's most replicas")
+    parser.add_argument("--pd-min", default="4:4", help="PREFILL:DECODE least replicas")
+    parser.add_argument("--pd-max", default="48:32", help="PREFILL:DECODE most replicas")
+    parser.add_argument("--pd-static", default="48:16", help="PREFILL:DECODE of pd_static")
+    parser.add_argument("--transfer-gb-s", type=float, default=50.0)
+    parser.add_argument("--transfer-latency-ms", type=float, default=1.0)
+    parser.add_argument("--max-ongoing", type=int, default=256)
+    parser.add_argument("--replica-start-s", type=float, default=60.0)
+    parser.add_argument("--ttft-slo", type=float, default=3.0)
+    parser.add_argument("--itl-slo", type=float, default=0.1)
+    parser.add_argument("--max-output-tokens", type=int, default=1024)
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS / "sim_pd_autoscaling.json"))
+    args = parser.parse_args()
+    params = profiles.load(args.profile)
+    phases = [(float(s), float(r)) for s, r in zip(args.phases.split(","), args.rates.split(","))]
+    times = arrivals(schedule(phases, args.ramp_s), args.seed)
+    rows = workload.read_trace(TRACE)
+    began = time.perf_counter()
+    capacity = profile(params, rows, args)
+    profiled_s = time.perf_counter() - began
+    print(f"profiled in {profiled_s:.0f}s: {capacity.rate_per_replica:g} req/s, "
+          f"{capacity.ongoing_per_replica:.1f} ongoing per replica", flush=True)
+    records = []
+    for setup in args.setups.split(","):
+        record = run(setup, params, requests(params, rows, times, args.max_output_tokens),
+                     sum(s for s, _ in phases), args, capacity)
+        print(json.dumps({k: v for k, v in record.items() if k != "timeline_by_pool"}),
+              flush=True)
+        records.append(record)
+    result = {"profile": args.profile, "phases": phases, "ramp_s": args.ramp_s,
+              "transfer_gb_s": args.transfer_gb_s, "ttft_slo_s": args.ttft_slo,
+              "itl_slo_s": args.itl_slo, "start_latency_s": params.start_latency_s,
+              "capacity": msgspec.to_builtins(capacity), "profile_wall_s": profiled_s,
+              "records": records}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result, args))
+    plot(records, phases, out.with_suffix(".png"))
+    print(out.with_suffix(".md").read_text())
+
+
+def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = [
+        "# Prefill and decode pools autoscaled, simulated", "",
+        f"`python benchmarks/sim_pd_autoscaling.py --phases {args.phases} --rates {args.rates} "
+        f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --pd-min {args.pd_min} "
+        f"--pd-max {args.pd_max} --pd-static {args.pd_static} --transfer-gb-s "
+        f"{args.transfer_gb_s:g}`: Poisson arrivals of the Mooncake trace's requests, profile "
+        f"`{args.profile}`, kv_aware routing in every pool; SLO: TTFT <= {args.ttft_slo:g} s and "
+        f"mean inter-token gap <= {args.itl_slo:g} s. Simulated engines, tokenfab's real router "
+        "and autoscaler policy (see sim/README.md); replicas start in "
+        f"{result['start_latency_s']:g} s.", "",
+        "| setup | SLO attainment | replica-seconds (prefill + decode) | x unified_static "
+        "| TTFT p50 / p90 (s) | ITL p90 / p99 (ms) | most replicas | scale changes |",
+        "|---|---:|---:|---:|---|---|---|---:|",
+    ]
+    base = next((r["replica_seconds"] for r in result["records"]
+                 if r["setup"] == "unified_static"), None)
+    for r in result["records"]:
+        ratio = f"{r['replica_seconds'] / base:.2f}" if base else "-"
+        pools = r["replica_seconds_by_pool"]
+        split = f" ({pools['prefill']:.0f} + {pools['decode']:.0f})" if "prefill" in pools else ""
+        most = ":".join(str(n) for n in r["max_replicas_by_pool"].values())
+        lines.append(f"| {r['setup']} | {r['slo_attainment']:.3f} | "
+                     f"{r['replica_seconds']:.0f}{split} | {ratio} | {r['ttft_p50_s']:.2f} / "
+                     f"{r['ttft_p90_s']:.2f} | {r['itl_p90_s'] * 1e3:.1f} / "
+                     f"{r['itl_p99_s'] * 1e3:.1f} | {most} | {r['scale_changes']} |")
+    names = list(result["records"][0]["slo_attainment_by_window"])
+    lines += ["", "SLO attainment of the requests arriving in each window:", "",
+              "| setup | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for r in result["records"]:
+        lines.append(f"| {r['setup']} | " + " | ".join(
+            f"{r['slo_attainment_by_window'][n]:.3f}" for n in names) + " |")
+    pd = next((r for r in result["records"] if r["setup"] == "pd_autoscaler"), None)
+    if pd is not None:
+        lines += ["", "pd_autoscaler's pools, replicas held at the end of each window "
+                  "(prefill:decode):", ""]
+        timeline = pd["timeline_by_pool"]
+        for name, (_, end) in windows(args, profiles.load(args.profile)).items():
+            held = [":".join(str(_at(timeline[role], end)) for role in ("prefill", "decode"))]
+            lines.append(f"- {name}: {held[0]}")
+    cap = result["capacity"]
+    lines += ["", f"The unified plan's capacity, profiled first: {cap['rate_per_replica']:g} "
+              f"req/s and {cap['ongoing_per_replica']:.1f} requests in flight per replica "
+              f"({result['profile_wall_s']:.0f} s of wall time)."]
+    return "\n".join(lines) + "\n"
+
+
+def _at(timeline: list[list[float]], t: float) -> int:
+    """Replicas held at time `t` (the last sample at or before it)."""
+    held = timeline[0][1]
+    for at, n in timeline:
+        if at > t:
+            break
+        held = n
+    return int(held)
+
+
+if __name__ == "__main__":
+    main()
