@@ -36,8 +36,9 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -118,19 +119,26 @@ def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: 
                            until=end + 60.0)
     scaler.start()
     loop.run()
+    return {"setup": setup, **outcome(reqs, params, args),
+            "replica_seconds": scaler.replica_seconds,
+            "max_replicas": max(n for _, n in scaler.timeline),
+            "scale_changes": len(scaler.decisions),
+            "timeline": scaler.timeline[::5], "wall_s": time.perf_counter() - began}
+
+
+def outcome(reqs: list[SimRequest], params: profiles.EngineParams,
+            args: argparse.Namespace) -> dict[str, Any]:
+    """What a replay gave its requests: SLO attainment (overall and per window) and latencies."""
     done = [r for r in reqs if r.first_token is not None]
     ttft = np.array([r.first_token - r.arrival for r in done])
     itl = np.array([r.itl_sum_s / r.itl_count if r.itl_count else 0.0 for r in done])
     met = sum(t <= args.ttft_slo and i <= args.itl_slo for t, i in zip(ttft, itl))
-    return {"setup": setup, "requests": len(reqs), "unfinished": len(reqs) - len(done),
-            "slo_attainment": met / len(reqs), "replica_seconds": scaler.replica_seconds,
+    return {"requests": len(reqs), "unfinished": len(reqs) - len(done),
+            "slo_attainment": met / len(reqs),
             "slo_attainment_by_window": by_window(reqs, windows(args, params), args),
             "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p90_s": float(np.percentile(ttft, 90)),
-            "itl_p90_s": float(np.percentile(itl, 90)),
-            "max_replicas": max(n for _, n in scaler.timeline),
-            "scale_changes": len(scaler.decisions),
-            "timeline": scaler.timeline[::5], "wall_s": time.perf_counter() - began}
+            "itl_p90_s": float(np.percentile(itl, 90))}
 
 
 def schedule(phases: list[tuple[float, float]], ramp_s: float,
@@ -186,10 +194,7 @@ def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path:
         times, counts = zip(*r["timeline"])
         ax.step(times, counts, where="post", label=f"{r['setup']} "
                 f"(SLO {r['slo_attainment']:.2f}, {r['replica_seconds'] / 3600:.1f} replica-h)")
-    edge = 0.0
-    for seconds, _ in phases[:-1]:
-        edge += seconds
-        ax.axvline(edge, color="grey", linestyle=":")
+    mark_phases(ax, phases)
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("replicas held")
     ax.legend(fontsize=8)
@@ -198,8 +203,26 @@ def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def mark_phases(ax: Any, phases: list[tuple[float, float]]) -> None:
+    edge = 0.0
+    for seconds, _ in phases[:-1]:
+        edge += seconds
+        ax.axvline(edge, color="grey", linestyle=":")
+
+
+class Pattern(NamedTuple):
+    """A benchmark's workload, as `prepare` makes it from the command line."""
+
+    params: profiles.EngineParams
+    phases: list[tuple[float, float]]
+    times: list[float]  # the requests' arrivals
+    rows: list[dict[str, Any]]  # the trace
+    capacity: Capacity  # the unified plan's, profiled
+    profiled_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser, setups: list[str], out: str) -> None:
+    """The options of both autoscaling benchmarks: the pattern, the SLO, the unified pool."""
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
     parser.add_argument("--phases", default="900,600,600", help="seconds of each phase")
     parser.add_argument("--rates", default="8,45,8", help="requests/s of each phase")
@@ -214,10 +237,13 @@ def main() -> None:
     parser.add_argument("--ttft-slo", type=float, default=3.0)
     parser.add_argument("--itl-slo", type=float, default=0.1)
     parser.add_argument("--max-output-tokens", type=int, default=1024)
-    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--setups", default=",".join(setups))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(RESULTS / "sim_autoscaling.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(RESULTS / out))
+
+
+def prepare(args: argparse.Namespace) -> Pattern:
+    """The arrivals of the pattern, the trace, and the unified plan's capacity (profiled now)."""
     params = profiles.load(args.profile)
     phases = [(float(s), float(r)) for s, r in zip(args.phases.split(","), args.rates.split(","))]
     times = arrivals(schedule(phases, args.ramp_s), args.seed)
@@ -227,23 +253,37 @@ def main() -> None:
     profiled_s = time.perf_counter() - began
     print(f"profiled in {profiled_s:.0f}s: {capacity.rate_per_replica:g} req/s, "
           f"{capacity.ongoing_per_replica:.1f} ongoing per replica", flush=True)
-    records = []
-    for setup in args.setups.split(","):
-        record = run(setup, params, requests(params, rows, times, args.max_output_tokens),
-                     sum(s for s, _ in phases), args, capacity)
-        print(json.dumps({k: v for k, v in record.items() if k != "timeline"}), flush=True)
-        records.append(record)
-    result = {"profile": args.profile, "phases": phases, "ramp_s": args.ramp_s,
-              "max_ongoing_requests": args.max_ongoing, "ttft_slo_s": args.ttft_slo,
-              "itl_slo_s": args.itl_slo, "start_latency_s": params.start_latency_s,
-              "capacity": msgspec.to_builtins(capacity), "profile_wall_s": profiled_s,
-              "records": records}
-    out = Path(args.out)
+    return Pattern(params, phases, times, rows, capacity, profiled_s)
+
+
+def save(result: dict[str, Any], out: Path, markdown_text: str,
+         draw: Callable[[Path], None]) -> None:
+    """The results file, its Markdown and its plot beside it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result, args))
-    plot(records, phases, out.with_suffix(".png"))
-    print(out.with_suffix(".md").read_text())
+    out.with_suffix(".md").write_text(markdown_text)
+    draw(out.with_suffix(".png"))
+    print(markdown_text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, SETUPS, "sim_autoscaling.json")
+    args = parser.parse_args()
+    p = prepare(args)
+    records = []
+    for setup in args.setups.split(","):
+        record = run(setup, p.params, requests(p.params, p.rows, p.times, args.max_output_tokens),
+                     sum(s for s, _ in p.phases), args, p.capacity)
+        print(json.dumps({k: v for k, v in record.items() if k != "timeline"}), flush=True)
+        records.append(record)
+    result = {"profile": args.profile, "phases": p.phases, "ramp_s": args.ramp_s,
+              "max_ongoing_requests": args.max_ongoing, "ttft_slo_s": args.ttft_slo,
+              "itl_slo_s": args.itl_slo, "start_latency_s": p.params.start_latency_s,
+              "capacity": msgspec.to_builtins(p.capacity), "profile_wall_s": p.profiled_s,
+              "records": records}
+    save(result, Path(args.out), markdown(result, args),
+         lambda path: plot(records, p.phases, path))
 
 
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:

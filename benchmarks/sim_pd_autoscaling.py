@@ -36,18 +36,15 @@ import msgspec
 import numpy as np
 
 from autoscaler.serve_policy import PoolPolicy
-from autoscaling import arrivals
 from sim import params as profiles
-from sim import workload
 from sim.autoscale import SimAutoscaler
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.pd import SimPDCluster
 from sim.profile import Capacity
-from sim_autoscaling import TRACE, by_window, profile, requests, schedule, windows
+from sim_autoscaling import add_arguments, mark_phases, outcome, prepare, requests, save, windows
 
-RESULTS = Path(__file__).parent / "results"
 SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_static", "unified_static"]
 
 
@@ -97,19 +94,11 @@ def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: 
     for scaler in scalers.values():
         scaler.start()
     loop.run()
-    done = [r for r in reqs if r.first_token is not None]
-    ttft = np.array([r.first_token - r.arrival for r in done])
-    itl = np.array([r.itl_sum_s / r.itl_count if r.itl_count else 0.0 for r in done])
-    met = sum(t <= args.ttft_slo and i <= args.itl_slo for t, i in zip(ttft, itl))
-    return {"setup": setup, "requests": len(reqs), "unfinished": len(reqs) - len(done),
-            "slo_attainment": met / len(reqs),
+    itl = [r.itl_sum_s / r.itl_count if r.itl_count else 0.0 for r in reqs if r.first_token]
+    return {"setup": setup, **outcome(reqs, params, args),
+            "itl_p99_s": float(np.percentile(itl, 99)),
             "replica_seconds": sum(s.replica_seconds for s in scalers.values()),
             "replica_seconds_by_pool": {role: s.replica_seconds for role, s in scalers.items()},
-            "slo_attainment_by_window": by_window(reqs, windows(args, params), args),
-            "ttft_p50_s": float(np.percentile(ttft, 50)),
-            "ttft_p90_s": float(np.percentile(ttft, 90)),
-            "itl_p90_s": float(np.percentile(itl, 90)),
-            "itl_p99_s": float(np.percentile(itl, 99)),
             "max_replicas_by_pool": {role: max(n for _, n in s.timeline)
                                      for role, s in scalers.items()},
             "scale_changes": sum(len(s.decisions) for s in scalers.values()),
@@ -136,10 +125,7 @@ def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path:
                 t, n = zip(*pools[role])
                 bottom.step(t, n, where="post", linestyle=style, label=f"{r['setup']}: {role}")
     for ax in (top, bottom):
-        edge = 0.0
-        for seconds, _ in phases[:-1]:
-            edge += seconds
-            ax.axvline(edge, color="grey", linestyle=":")
+        mark_phases(ax, phases)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     top.set_ylabel("replicas held, all pools")
@@ -151,54 +137,28 @@ def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="h100-llama-3.1-8b")
-    parser.add_argument("--phases", default="900,600,600", help="seconds of each phase")
-    parser.add_argument("--rates", default="8,45,8", help="requests/s of each phase")
-    parser.add_argument("--ramp-s", type=float, default=0.0,
-                        help="each phase reaches its rate over this many seconds (0: a step)")
-    parser.add_argument("--min", type=int, default=8, help="unified pool's least replicas")
-    parser.add_argument("--max", type=int, default=64, help="unified pool's most replicas")
+    add_arguments(parser, SETUPS, "sim_pd_autoscaling.json")
     parser.add_argument("--pd-min", default="4:4", help="PREFILL:DECODE least replicas")
     parser.add_argument("--pd-max", default="48:32", help="PREFILL:DECODE most replicas")
     parser.add_argument("--pd-static", default="48:16", help="PREFILL:DECODE of pd_static")
     parser.add_argument("--transfer-gb-s", type=float, default=50.0)
     parser.add_argument("--transfer-latency-ms", type=float, default=1.0)
-    parser.add_argument("--max-ongoing", type=int, default=256)
-    parser.add_argument("--replica-start-s", type=float, default=60.0)
-    parser.add_argument("--ttft-slo", type=float, default=3.0)
-    parser.add_argument("--itl-slo", type=float, default=0.1)
-    parser.add_argument("--max-output-tokens", type=int, default=1024)
-    parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(RESULTS / "sim_pd_autoscaling.json"))
     args = parser.parse_args()
-    params = profiles.load(args.profile)
-    phases = [(float(s), float(r)) for s, r in zip(args.phases.split(","), args.rates.split(","))]
-    times = arrivals(schedule(phases, args.ramp_s), args.seed)
-    rows = workload.read_trace(TRACE)
-    began = time.perf_counter()
-    capacity = profile(params, rows, args)
-    profiled_s = time.perf_counter() - began
-    print(f"profiled in {profiled_s:.0f}s: {capacity.rate_per_replica:g} req/s, "
-          f"{capacity.ongoing_per_replica:.1f} ongoing per replica", flush=True)
+    p = prepare(args)
     records = []
     for setup in args.setups.split(","):
-        record = run(setup, params, requests(params, rows, times, args.max_output_tokens),
-                     sum(s for s, _ in phases), args, capacity)
+        record = run(setup, p.params, requests(p.params, p.rows, p.times, args.max_output_tokens),
+                     sum(s for s, _ in p.phases), args, p.capacity)
         print(json.dumps({k: v for k, v in record.items() if k != "timeline_by_pool"}),
               flush=True)
         records.append(record)
-    result = {"profile": args.profile, "phases": phases, "ramp_s": args.ramp_s,
+    result = {"profile": args.profile, "phases": p.phases, "ramp_s": args.ramp_s,
               "transfer_gb_s": args.transfer_gb_s, "ttft_slo_s": args.ttft_slo,
-              "itl_slo_s": args.itl_slo, "start_latency_s": params.start_latency_s,
-              "capacity": msgspec.to_builtins(capacity), "profile_wall_s": profiled_s,
+              "itl_slo_s": args.itl_slo, "start_latency_s": p.params.start_latency_s,
+              "capacity": msgspec.to_builtins(p.capacity), "profile_wall_s": p.profiled_s,
               "records": records}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result, args))
-    plot(records, phases, out.with_suffix(".png"))
-    print(out.with_suffix(".md").read_text())
+    save(result, Path(args.out), markdown(result, args),
+         lambda path: plot(records, p.phases, path))
 
 
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
