@@ -17,6 +17,7 @@ from typing import Protocol
 
 from channel import frames
 from channel.frames import Failed, Head, Kind, Refused, Request, State, Tokens, Usage
+from channel.local import LocalLink
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ class ChannelServer:
     def __init__(self, secret: bytes, handler: Handler) -> None:
         self.secret, self.handler = secret, handler
         self._connections: set[_Connection] = set()
+        self._local: list[LocalLink] = []
         self._server: asyncio.Server | None = None
         self._state = "ready"
 
@@ -165,6 +167,13 @@ class ChannelServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port)
         return self._server.sockets[0].getsockname()[1]
+
+    def local_link(self, replica_id: str) -> LocalLink:
+        """A link for a gateway in this process: its requests reach `handler` as calls."""
+        link = LocalLink(replica_id, self.handler)
+        link.state = self._state
+        self._local.append(link)
+        return link
 
     def greet(self, connection: _Connection) -> None:
         self._connections.add(connection)
@@ -179,10 +188,14 @@ class ChannelServer:
         self._state = state
         for connection in self._connections:
             connection.send(Kind.STATE, 0, frames.encode(State(state)))
+        for link in self._local:
+            link.set_state(state)
 
     def held(self) -> int:
-        """Requests the connected gateways hold for this replica's pool."""
-        return sum(connection.held for connection in self._connections)
+        """Requests the connected gateways (and one in this process) hold for this replica's
+        pool."""
+        return sum(connection.held for connection in self._connections) \
+            + sum(link.held for link in self._local)
 
     def gateways(self) -> int:
         return len(self._connections)
@@ -193,3 +206,5 @@ class ChannelServer:
             self._server.close()
         for connection in list(self._connections):
             connection.close()
+        for link in self._local:
+            link.stop()

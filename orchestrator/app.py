@@ -11,6 +11,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from orchestrator.gateway.colocated import PoolReplicaWithIngress
 from orchestrator.gateway.ingress import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_TIMEOUT_S, Gateway
 from orchestrator.config import PoolSpec, Topology, parse_topology, pool_deployment_name
 from pools.deployment import PoolReplica, ReplicaSettings
@@ -98,12 +99,14 @@ def autoscaling_config(topology: Topology, pool: PoolSpec) -> dict[str, Any]:
 
 
 def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
+    """A pool's deployment; with `gateway.colocate`, its replicas serve the gateway too."""
     resources = pool.resources
     if topology.autoscaled(pool):
         extra = {"num_replicas": "auto", "autoscaling_config": autoscaling_config(topology, pool)}
     else:
         extra = {"num_replicas": pool.replicas}
-    deployment = serve.deployment(PoolReplica).options(
+    colocated = topology.gateway.colocate
+    deployment = serve.deployment(PoolReplicaWithIngress if colocated else PoolReplica).options(
         name=pool_deployment_name(pool.name),
         max_ongoing_requests=pool.max_ongoing_requests,
         ray_actor_options={
@@ -116,14 +119,20 @@ def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_wait_loop_s=1.0,
-        graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
+        # colocated: the ingress's requests finish first (some on other replicas)
+        graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S + (GATEWAY_DRAIN_TIMEOUT_S if colocated else 0),
         **extra,
     )
-    return deployment.bind(engine_spec(topology, pool), replica_settings(topology, pool))
+    args = (engine_spec(topology, pool), replica_settings(topology, pool))
+    if colocated:
+        return deployment.bind(*args, topology.model_dump(mode="json"))
+    return deployment.bind(*args)
 
 
 def build_topology_app(topology: Topology) -> Application:
     pools = {pool.name: _pool_app(topology, pool) for pool in topology.pools}
+    if topology.gateway.colocate:  # one pool, whose replicas are the ingress
+        return next(iter(pools.values()))
     gateway = serve.deployment(Gateway).options(
         name="gateway",
         num_replicas=topology.gateway.replicas,

@@ -143,7 +143,14 @@ class GatewaySpec(_Strict):
     host: str = Field("127.0.0.1", description="Address the gateway listens on (its replicas on a node share it).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     route_prefix: str = Field("/", pattern=r"^/", description="URL prefix of this application.")
-    replicas: int = Field(1, ge=1, description="Ingress replicas.")
+    replicas: int = Field(1, ge=1, description="Ingress replicas (in processes of their own; "
+                          "with colocate, the pool's replicas are the ingress replicas).")
+    colocate: bool = Field(
+        False, description="Serve the gateway from the pool's replicas instead of processes of "
+        "its own: each replica listens on host:port of its node (they share it) and answers the "
+        "requests it places on itself in-process, one process and one hop fewer per request. A "
+        "single unified pool of a fixed size (no autoscaling: tenant limits are shared by the "
+        "ingress replicas) on the nodes where host is reachable.")
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline for one request.")
     retries: int = Field(
         2, ge=0, description="Times a request goes to another replica of its pool when the one "
@@ -331,10 +338,10 @@ class Topology(_Strict):
         if self.auth.enabled and not self.tenants:
             raise ValueError("auth.enabled needs tenants: declare at least one")
         for i, tenant in enumerate(self.tenants):
-            if (rpm := tenant.limits.requests_per_minute) and rpm < self.gateway.replicas:
+            if (rpm := tenant.limits.requests_per_minute) and rpm < self.ingress_replicas():
                 raise ValueError(f"tenants.{i}.limits.requests_per_minute ({tenant.name}): {rpm} "
-                                 f"< gateway.replicas ({self.gateway.replicas}) would refuse it "
-                                 "forever: each ingress replica's share is under one request")
+                                 f"< the ingress replicas ({self.ingress_replicas()}) would refuse "
+                                 "it forever: each ingress replica's share is under one request")
             unknown = set(tenant.models or ()) - {self.model.name}
             if unknown:
                 raise ValueError(f"tenant {tenant.name}: models {sorted(unknown)} are not served "
@@ -370,6 +377,27 @@ class Topology(_Strict):
                     "mp (a replica per node) for a pool routed by kv_aware, or ray for decode "
                     "pools, which are then routed by load")
         return self
+
+    @model_validator(mode="after")
+    def _colocated_gateway(self) -> "Topology":
+        if not self.gateway.colocate:
+            return self
+        if len(self.pools) != 1 or self.pools[0].role != "unified":
+            raise ValueError("gateway.colocate: the gateway is served from the replicas of a "
+                             "single unified pool; this topology has "
+                             f"{[f'{p.name} ({p.role})' for p in self.pools]}")
+        if self.autoscaled(self.pools[0]):
+            raise ValueError(f"gateway.colocate: pool {self.pools[0].name} is autoscaled; the "
+                             "gateway's replicas split the tenants' limits by their number, so "
+                             "a colocated gateway needs a pool of a fixed size (replicas)")
+        if self.gateway.replicas != 1:
+            raise ValueError(f"gateway.replicas: {self.gateway.replicas} with gateway.colocate: "
+                             "the pool's replicas are the ingress replicas; leave it out")
+        return self
+
+    def ingress_replicas(self) -> int:
+        """Processes serving the gateway, each enforcing its share of the tenants' limits."""
+        return self.pools[0].replicas if self.gateway.colocate else self.gateway.replicas
 
     @model_validator(mode="after")
     def _router_inputs(self) -> "Topology":

@@ -316,9 +316,17 @@ class PoolReplica:
     async def __del__(self) -> None:
         """Drain: tell the gateways to send nothing more, finish in-flight requests, then stop
         the engine."""
+        self._stop_taking()
+        await self._finish()
+
+    def _stop_taking(self) -> None:
+        """Tell the gateways to send nothing more."""
         self._state = "draining"
         if self._channel is not None:
             self._channel.set_state("draining")
+
+    async def _finish(self) -> None:
+        """Finish the requests in flight (within the drain timeout), then stop the engine."""
         deadline = time.monotonic() + self._settings.drain_timeout_s
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

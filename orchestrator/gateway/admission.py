@@ -73,7 +73,7 @@ class Admission:
     def __init__(self, topology: Topology, metrics: GatewayMetrics, tenants: Tenants) -> None:
         self.tenants, self.metrics = tenants, metrics
         self._max_model_len = topology.model.max_model_len
-        share = 1.0 / topology.gateway.replicas
+        share = 1.0 / topology.ingress_replicas()
         now = time.monotonic()
         self._limiters = {name: TenantLimiter(tenants.spec(name).limits, share, now)
                           for name in tenants.names}

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import msgspec
 
 from autoscaler.records import ScaleRecord
 from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
 from channel.frames import Head, Refused, Request
+from channel.local import LocalLink
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from pools.engine import LoadSnapshot
 from pools.registry import IngressReport, Registry, ReplicaReport
@@ -126,16 +127,17 @@ class PoolDispatcher:
                  secret: bytes, gateway: str, wake: Callable[[], Awaitable[None]],
                  directory: ReplicaDirectory, retries: int = 0,
                  shed_waiting: int | None = None, migrate: bool = True,
-                 route_ranks: bool = True) -> None:
+                 route_ranks: bool = True, local: Mapping[str, LocalLink] | None = None) -> None:
         self.pool, self.service, self.retries, self.migrate = pool, service, retries, migrate
         self._route_ranks = route_ranks
         self._shed_waiting = shed_waiting
         self._max_ongoing, self._secret, self._gateway = max_ongoing_requests, secret, gateway
         self._wake, self._directory = wake, directory
-        self._links: dict[ReplicaId, ReplicaLink] = {}  # by replica
+        self._local = dict(local or {})  # replicas in this process, reached by calls
+        self._links: dict[ReplicaId, ReplicaLink | LocalLink] = {}  # by replica
         # routing targets (a replica's engine, or each data-parallel rank) -> replica, rank
         self._targets: dict[ReplicaId, tuple[ReplicaId, int | None]] = {}
-        self._retiring: dict[ReplicaId, ReplicaLink] = {}  # unlisted, with requests still on them
+        self._retiring: dict[ReplicaId, ReplicaLink | LocalLink] = {}  # unlisted, still serving
         self._changed: asyncio.Future | None = None
         self._held = 0
         self._held_report: asyncio.TimerHandle | None = None
@@ -179,6 +181,13 @@ class PoolDispatcher:
         self._notify()
 
     def _connect(self, replica: ReplicaId, address: str) -> None:
+        local = self._local.get(replica)
+        if local is not None:
+            local.on_state = lambda _link: self._notify()
+            self._links[replica] = local
+            if self._held:
+                local.send_held(self._held)
+            return
         host, port = address.rsplit(":", 1)
         link = ReplicaLink(replica, host, int(port), self._secret, self._gateway)
         link.on_state = lambda _link: self._notify()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import ray
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from channel.local import LocalLink
 from channel.secret import channel_secret, event_keys
 from orchestrator.gateway.admin import Admin
 from orchestrator.gateway.admission import Admission
@@ -79,12 +81,28 @@ def _waker(handle: DeploymentHandle):
     return wake
 
 
-class Gateway:
-    """Serve deployment class of the ingress. Holds no state that another replica needs."""
+class Ingress:
+    """One process's gateway: its HTTP server, routes, flow, the pools' dispatchers and its part
+    of the shared `/metrics`. Runs on the process's event loop; `start` makes one."""
 
-    async def __init__(self, topology: dict[str, Any], pools: dict[str, DeploymentHandle]) -> None:
-        self._topology = topology_ = Topology.model_validate(topology)
-        self._replica_id = replica_id = serve.get_replica_context().replica_id.unique_id
+    def __init__(self, topology: Topology, replica_id: str,
+                 wakers: Mapping[str, Callable[[], Awaitable[None]]],
+                 local: Mapping[str, LocalLink]) -> None:
+        self._topology, self._replica_id = topology, replica_id
+        self._wakers, self._local = wakers, local
+
+    @classmethod
+    async def start(cls, topology: Topology, replica_id: str,
+                    wakers: Mapping[str, Callable[[], Awaitable[None]]],
+                    local: Mapping[str, LocalLink] | None = None) -> Ingress:
+        """Serve the topology's gateway from this process. `wakers[pool]` asks Serve for a
+        replica of a pool that has none; `local` are the links to replicas in this process."""
+        ingress = cls(topology, replica_id, wakers, local or {})
+        await ingress._start()
+        return ingress
+
+    async def _start(self) -> None:
+        topology_, replica_id = self._topology, self._replica_id
         registry = CollectorRegistry()
         tenants = Tenants.from_topology(topology_, await asyncio.to_thread(salt_key, topology_))
         metrics = GatewayMetrics(registry, tenants.names)
@@ -97,9 +115,9 @@ class Gateway:
             if topology_.kv_events.transport == "tcp" else None
         self._pools = {pool.name: PoolDispatcher(
             pool.name, routing_service(topology_, pool, router_metrics, credentials),
-            pool.max_ongoing_requests, secret, replica_id, _waker(pools[pool.name]),
+            pool.max_ongoing_requests, secret, replica_id, self._wakers[pool.name],
             self._directory, topology_.gateway.retries, pool.shed_waiting,
-            topology_.gateway.migrate, topology_.router.dp_ranks == "route")
+            topology_.gateway.migrate, topology_.router.dp_ranks == "route", self._local)
             for pool in topology_.pools}
         transfers = None
         flow: Flow
@@ -131,17 +149,19 @@ class Gateway:
         await self._server.start(gateway.host, gateway.port)
         logger.info("gateway %s serving on %s:%d", replica_id, gateway.host, gateway.port)
 
-    async def check_health(self) -> None:
+    def check_health(self) -> None:
         if self._directory_task.done():
             raise RuntimeError(f"replica directory stopped: {self._directory_task!r}")
 
-    async def __del__(self) -> None:
-        """Stop taking connections, let the requests in flight finish (within the drain
-        timeout), then let go of the replicas."""
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Stop taking connections and let the requests in flight finish (within `timeout_s`)."""
         self._server.close()
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while self._routes.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        """Let go of the replicas and leave the registry (after `drain`)."""
         self._directory_task.cancel()
         self._peers.close()
         try:  # the others stop asking it for its series (else its entry expires)
@@ -150,3 +170,22 @@ class Gateway:
             pass
         for pool in self._pools.values():
             pool.close()
+
+
+class Gateway:
+    """Serve deployment class of the ingress in processes of its own. Holds no state that
+    another replica needs."""
+
+    async def __init__(self, topology: dict[str, Any], pools: dict[str, DeploymentHandle]) -> None:
+        self._ingress = await Ingress.start(
+            Topology.model_validate(topology), serve.get_replica_context().replica_id.unique_id,
+            {name: _waker(handle) for name, handle in pools.items()})
+
+    async def check_health(self) -> None:
+        self._ingress.check_health()
+
+    async def __del__(self) -> None:
+        """Stop taking connections, let the requests in flight finish (within the drain
+        timeout), then let go of the replicas."""
+        await self._ingress.drain()
+        await self._ingress.close()

@@ -11,7 +11,8 @@ minute's allowance sends a request of 500 prompt + 100 max tokens: 600 tokens ar
 it gets 429 with Retry-After: 6. Had its last request generated only 20 of its 100 max tokens,
 80 came back at once and the wait is 5.2 s, Retry-After: 6 (whole seconds, rounded up).
 
-Limits are per ingress replica: with `gateway.replicas: N`, each enforces 1/N of the allowance.
+Limits are per ingress replica: with N of them (`gateway.replicas`, or the pool's replicas
+with `gateway.colocate`), each enforces 1/N of the allowance.
 """
 
 from __future__ import annotations

@@ -178,3 +178,39 @@ def test_frames_of_one_loop_turn_leave_in_one_write() -> None:
             await stream.end
         assert len(writes) <= 4, writes  # 60 frames (head, data, end x 20)
     run(scenario())
+
+
+def test_a_local_link_serves_by_calls_as_a_socket_would() -> None:
+    """The replica in the gateway's own process (gateway.colocate): the same replies, refusals,
+    held counts and state as over a socket, and its requests fail as lost when it stops."""
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", whole(200, {"text": "a"}, Usage(3, 1, 0)),
+                                  [Step("head", 200, True), Step("hang")], capacity=2)
+        await replica.start()
+        link = replica.server.local_link("r1")
+        whole_reply = link.open(request("a"))
+        assert await whole_reply.head == Head(200, False, "r1")
+        assert await whole_reply.end == Usage(3, 1, 0)
+        assert json.loads(whole_reply.body()) == {"text": "a"}
+        await until(lambda: replica.in_flight == 0)  # its slot is freed once its task ended
+        hanging = [link.open(request()) for _ in range(2)]
+        for stream in hanging:
+            assert isinstance(await stream.head, Head)
+        assert await link.open(request()).head == Refused("full")
+        assert replica.in_flight == 2 and link.open_streams == 2
+        remote = await linked(replica)
+        link.send_held(3)
+        remote.send_held(2)
+        await until(lambda: replica.server.held() == 5)
+        replica.server.set_state("draining")
+        assert link.state == "draining"
+        hanging[0].cancel()
+        await until(lambda: replica.in_flight == 1)
+        replica.server.close()  # the replica stops
+        with pytest.raises(LinkLost):
+            await hanging[1].end
+        await until(lambda: replica.outcomes == ["done", "cancelled", "cancelled"])
+        assert link.state == "closed" and replica.in_flight == 0
+        with pytest.raises(LinkLost):
+            link.open(request())
+    run(scenario())

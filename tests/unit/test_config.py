@@ -167,6 +167,19 @@ INVALID: list[Any] = [
     pytest.param(with_pool(engine_args={"data_parallel_size": 2}),
                  ["pools.0.engine_args: data_parallel_size is set by tokenfab: use "
                   "pools[].parallel.data"], id="owned-dp-arg"),
+    pytest.param(doc(gateway={"colocate": True},
+                     pools=[pool(name="p", role="prefill"), pool(name="d", role="decode")]),
+                 ["(top level): gateway.colocate: the gateway is served from the replicas of a "
+                  "single unified pool; this topology has ['p (prefill)', 'd (decode)']"],
+                 id="colocate-pd"),
+    pytest.param(doc(gateway={"colocate": True}, autoscaler={"enabled": True},
+                     pools=[pool(replicas=1, min_replicas=1, max_replicas=3)]),
+                 ["(top level): gateway.colocate: pool main is autoscaled; the gateway's replicas "
+                  "split the tenants' limits by their number, so a colocated gateway needs a "
+                  "pool of a fixed size (replicas)"], id="colocate-autoscaled"),
+    pytest.param(doc(gateway={"colocate": True, "replicas": 2}),
+                 ["(top level): gateway.replicas: 2 with gateway.colocate: the pool's replicas "
+                  "are the ingress replicas; leave it out"], id="colocate-gateway-replicas"),
     pytest.param(with_pool(role="encode", replicas=0),
                  ["pools.0.role: Input should be 'unified', 'prefill' or 'decode'",
                   "pools.0.replicas: Input should be greater than or equal to 1"], id="two-errors"),
@@ -179,6 +192,13 @@ def test_invalid_topologies(data: Any, problems: list[str]) -> None:
         parse_topology(data, SOURCE)
     assert caught.value.problems == [f"{SOURCE}: {line}" for line in problems]
     assert str(caught.value) == "\n".join(caught.value.problems)
+
+
+@pytest.mark.parametrize(("gateway", "expected"), [({}, 1), ({"replicas": 2}, 2),
+                                                  ({"colocate": True}, 3)])
+def test_ingress_replicas_share_the_tenants_limits(gateway: dict, expected: int) -> None:
+    topology = parse_topology(doc(gateway=gateway, pools=[pool(replicas=3)]), SOURCE)
+    assert topology.ingress_replicas() == expected
 
 
 def test_load_missing_file(tmp_path: Path) -> None:
