@@ -149,8 +149,8 @@ class GatewaySpec(_Strict):
         False, description="Serve the gateway from the pool's replicas instead of processes of "
         "its own: each replica listens on host:port of its node (they share it) and answers the "
         "requests it places on itself in-process, one process and one hop fewer per request. A "
-        "single unified pool of a fixed size (no autoscaling: tenant limits are shared by the "
-        "ingress replicas) on the nodes where host is reachable.")
+        "single unified pool that keeps at least one replica, on nodes where host is reachable; "
+        "the replicas share the tenants' limits as they come and go.")
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline for one request.")
     retries: int = Field(
         2, ge=0, description="Times a request goes to another replica of its pool when the one "
@@ -386,17 +386,17 @@ class Topology(_Strict):
             raise ValueError("gateway.colocate: the gateway is served from the replicas of a "
                              "single unified pool; this topology has "
                              f"{[f'{p.name} ({p.role})' for p in self.pools]}")
-        if self.autoscaled(self.pools[0]):
-            raise ValueError(f"gateway.colocate: pool {self.pools[0].name} is autoscaled; the "
-                             "gateway's replicas split the tenants' limits by their number, so "
-                             "a colocated gateway needs a pool of a fixed size (replicas)")
+        if self.autoscaled(self.pools[0]) and not self.pools[0].min_replicas:
+            raise ValueError(f"gateway.colocate: pool {self.pools[0].name} may scale to zero "
+                             "replicas, and with them the gateway: set min_replicas to 1 or more")
         if self.gateway.replicas != 1:
             raise ValueError(f"gateway.replicas: {self.gateway.replicas} with gateway.colocate: "
                              "the pool's replicas are the ingress replicas; leave it out")
         return self
 
     def ingress_replicas(self) -> int:
-        """Processes serving the gateway, each enforcing its share of the tenants' limits."""
+        """Processes serving the gateway, each enforcing its share of the tenants' limits (with
+        gateway.colocate, as the topology starts; the ingresses follow the live count)."""
         return self.pools[0].replicas if self.gateway.colocate else self.gateway.replicas
 
     @model_validator(mode="after")

@@ -99,6 +99,14 @@ class Admission:
             raise
         return self._shaped(tenant, endpoint, body)
 
+    def set_ingresses(self, count: int) -> None:
+        """`count` ingress replicas share the tenants' limits now (gateway.colocate: the pool's
+        replicas, as they come and go)."""
+        share, now = 1.0 / max(1, count), time.monotonic()
+        for limiter in self._limiters.values():
+            if limiter.share != share:
+                limiter.rescale(share, now)
+
     async def admit(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any],
                     prompts: list[list[int]] | None) -> Ticket:
         """Admit the (shaped) request or raise the GatewayError that refuses it. `prompts` are

@@ -71,11 +71,11 @@ class ReplicaDirectory:
     def __init__(self, app: str, refresh_s: float = REFRESH_S) -> None:
         self._refresh_s = refresh_s
         self._registry = Registry(app)
-        self._listeners: dict[str, Callable[[list[ReplicaReport]], None]] = {}
+        self._listeners: dict[str, list[Callable[[list[ReplicaReport]], None]]] = {}
         self._poked: asyncio.Event | None = None
 
     def listen(self, pool: str, listener: Callable[[list[ReplicaReport]], None]) -> None:
-        self._listeners[pool] = listener
+        self._listeners.setdefault(pool, []).append(listener)
 
     async def snapshot(self, timeout_s: float = 2.0) -> list[ReplicaReport]:
         """Every replica's latest report, read now (raises if the registry does not answer)."""
@@ -106,8 +106,10 @@ class ReplicaDirectory:
             except Exception as exc:  # noqa: BLE001 - keep routing on what we know
                 logger.warning("replica registry unavailable: %r", exc)
             else:
-                for pool, listener in self._listeners.items():
-                    listener([r for r in reports if r.pool == pool])
+                for pool, listeners in self._listeners.items():
+                    own = [r for r in reports if r.pool == pool]
+                    for listener in listeners:
+                        listener(own)
             self._poked.clear()
             try:
                 await asyncio.wait_for(self._poked.wait(), self._refresh_s)

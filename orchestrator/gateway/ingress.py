@@ -145,6 +145,9 @@ class Ingress:
                       gateway.route_prefix, transfers, tenants.authenticate_admin)
         self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter)
         self._server = HttpServer(routes.handle, gateway.max_body_bytes)
+        if gateway.colocate:  # every replica of the pool is an ingress: they share the limits
+            self._directory.listen(topology_.pools[0].name, lambda reports: admission.set_ingresses(
+                sum(report.state == "ready" for report in reports)))
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")
         await self._server.start(gateway.host, gateway.port)
         logger.info("gateway %s serving on %s:%d", replica_id, gateway.host, gateway.port)

@@ -11,8 +11,9 @@ minute's allowance sends a request of 500 prompt + 100 max tokens: 600 tokens ar
 it gets 429 with Retry-After: 6. Had its last request generated only 20 of its 100 max tokens,
 80 came back at once and the wait is 5.2 s, Retry-After: 6 (whole seconds, rounded up).
 
-Limits are per ingress replica: with N of them (`gateway.replicas`, or the pool's replicas
-with `gateway.colocate`), each enforces 1/N of the allowance.
+Limits are per ingress replica: with N of them, each enforces 1/N of the allowance. N is
+`gateway.replicas`, or with `gateway.colocate` the pool's replicas as the registry lists them
+now (its buckets are resized as replicas come and go).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class TokenBucket:
         self._refill(now)
         self._level -= amount
 
+    def resize(self, per_minute: float, now: float) -> None:
+        """A new allowance; the level keeps its fraction of the capacity."""
+        self._refill(now)
+        self._level *= per_minute / self.capacity
+        self.capacity, self._rate = per_minute, per_minute / 60.0
+
     def give_back(self, amount: float, now: float) -> None:
         """Return `amount` (negative: take more, possibly below zero)."""
         self._refill(now)
@@ -62,16 +69,33 @@ class TenantLimiter:
     """One tenant's limits on one ingress replica. Not thread-safe: call from the event loop."""
 
     def __init__(self, limits: TenantLimits, share: float, now: float) -> None:
-        self.limits = limits
-        scaled = {name: None if value is None else value * share
-                  for name, value in (("rpm", limits.requests_per_minute),
-                                      ("tpm", limits.tokens_per_minute),
-                                      ("concurrent", limits.max_concurrent))}
+        self.limits, self.share = limits, share
+        scaled = self._scaled(share)
         self._requests = TokenBucket(scaled["rpm"], now) if scaled["rpm"] else None
         self._tokens = TokenBucket(scaled["tpm"], now) if scaled["tpm"] else None
         self._max_concurrent = max(1, math.floor(scaled["concurrent"])) \
             if scaled["concurrent"] else None
         self.in_flight = 0
+
+    def _scaled(self, share: float) -> dict[str, float | None]:
+        limits = self.limits
+        return {name: None if value is None else value * share
+                for name, value in (("rpm", limits.requests_per_minute),
+                                    ("tpm", limits.tokens_per_minute),
+                                    ("concurrent", limits.max_concurrent))}
+
+    def rescale(self, share: float, now: float) -> None:
+        """This replica's share of the allowance changed (ingress replicas came or went): each
+        bucket keeps how full it is, as a fraction, at its new size.
+
+        Example: 600 requests per minute, a share of 1/2 with 150 left -> a share of 1/3 holds
+        200 with 100 left."""
+        scaled, self.share = self._scaled(share), share
+        for bucket, size in ((self._requests, scaled["rpm"]), (self._tokens, scaled["tpm"])):
+            if bucket is not None and size:
+                bucket.resize(size, now)
+        if scaled["concurrent"]:
+            self._max_concurrent = max(1, math.floor(scaled["concurrent"]))
 
     def check_sizes(self, prompt_tokens: int | None, max_tokens: int | None,
                     prompt_field: str = "prompt") -> None:

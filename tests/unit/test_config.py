@@ -173,10 +173,9 @@ INVALID: list[Any] = [
                   "single unified pool; this topology has ['p (prefill)', 'd (decode)']"],
                  id="colocate-pd"),
     pytest.param(doc(gateway={"colocate": True}, autoscaler={"enabled": True},
-                     pools=[pool(replicas=1, min_replicas=1, max_replicas=3)]),
-                 ["(top level): gateway.colocate: pool main is autoscaled; the gateway's replicas "
-                  "split the tenants' limits by their number, so a colocated gateway needs a "
-                  "pool of a fixed size (replicas)"], id="colocate-autoscaled"),
+                     pools=[pool(replicas=1, min_replicas=0, max_replicas=3)]),
+                 ["(top level): gateway.colocate: pool main may scale to zero replicas, and with "
+                  "them the gateway: set min_replicas to 1 or more"], id="colocate-to-zero"),
     pytest.param(doc(gateway={"colocate": True, "replicas": 2}),
                  ["(top level): gateway.replicas: 2 with gateway.colocate: the pool's replicas "
                   "are the ingress replicas; leave it out"], id="colocate-gateway-replicas"),

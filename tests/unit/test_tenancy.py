@@ -213,6 +213,36 @@ def test_limits_are_shared_between_ingress_replicas() -> None:
         limiter.admit(0, now=0.0)
 
 
+def test_a_share_that_changes_keeps_each_bucket_as_full_as_it_was() -> None:
+    """The worked example of TenantLimiter.rescale: 600 requests per minute, half of them here
+    with 150 left; a third ingress replica comes: a third here, 100 left of 200."""
+    limiter = TenantLimiter(TenantLimits(requests_per_minute=600, max_concurrent=6),
+                            share=0.5, now=0.0)
+    for _ in range(150):
+        limiter.admit(0, now=0.0)
+        limiter.in_flight = 0  # the concurrency bound is checked below
+    limiter.rescale(1 / 3, now=0.0)
+    assert limiter.share == 1 / 3 and limiter._max_concurrent == 2  # floor(6 / 3)
+    for _ in range(100):
+        limiter.admit(0, now=0.0)
+        limiter.in_flight = 0
+    with pytest.raises(GatewayError) as info:
+        limiter.admit(0, now=0.0)
+    assert info.value.code == "requests_per_minute"
+
+
+def test_colocated_ingresses_share_the_limits_by_their_live_count() -> None:
+    doc = {"name": "acme", "api_keys": [hash_key("k")], "limits": {"requests_per_minute": 12}}
+    spec = topology(auth={"enabled": True}, tenants=[doc], gateway={"colocate": True})
+    admission = Admission(spec, GatewayMetrics(CollectorRegistry(), ["acme"]), Tenants(spec))
+    limiter = admission._limiters["acme"]
+    assert limiter.share == 1.0  # the deployed document lists one replica (counts are overrides)
+    admission.set_ingresses(3)
+    assert limiter.share == 1 / 3 and limiter._requests.capacity == 4
+    admission.set_ingresses(0)  # none listed ready (all draining): the whole allowance here
+    assert limiter.share == 1.0
+
+
 def test_a_request_larger_than_the_minute_is_refused_outright() -> None:
     limiter = TenantLimiter(TenantLimits(tokens_per_minute=100), share=1.0, now=0.0)
     with pytest.raises(GatewayError, match="more than") as info:
