@@ -4,7 +4,8 @@ Every system stands before two engines of the tiny model (one pinned core each, 
 the same KV cache bytes, prefix caching on) and replays the same sample of a Mooncake-format
 trace. Baselines: two standalone vLLM OpenAI servers behind sglang-router (round_robin,
 cache_aware) or vllm-router (cache_aware). tokenfab: a local Ray head and one `unified` pool of
-2 replicas, routed round_robin or kv_aware. Baselines run first (servers started once, routers
+2 replicas, routed round_robin or kv_aware, whose replicas serve the gateway themselves
+(`gateway.colocate`; `--gateway process` runs it in a process of its own instead). Baselines run first (servers started once, routers
 one at a time), then tokenfab (one deployment per policy); the two never run together.
 
 The trace is sampled by conversation root (every request whose first block belongs to a seeded
@@ -41,7 +42,7 @@ every process it saw.
 
     .venv/bin/python benchmarks/h2h.py [--rates 1.4,3.5] [--kv-cache 24MiB] [--trace FILE]
         [--systems floor,sglang-router,vllm-router,tokenfab] [--policies round_robin,...]
-        [--limit N] [--profile DIR] [--raw DIR] [--engine-nice N]
+        [--limit N] [--profile DIR] [--raw DIR] [--engine-nice N] [--gateway colocated|process]
 
 About 20 minutes on 2 cores. Writes benchmarks/results/h2h.json, and h2h.md and h2h.png beside it
 (`--out` names the JSON). `--profile DIR` runs py-spy on tokenfab's data-path processes during its
@@ -220,7 +221,7 @@ def cpu_summary(run: dict[str, Any], output_tokens: int) -> dict[str, Any]:
 
 # --- tokenfab ---------------------------------------------------------------------------------
 
-def topology(policy: str, kv_cache: str) -> Topology:
+def topology(policy: str, kv_cache: str, colocate: bool = False) -> Topology:
     return parse_topology({
         "name": f"h2h-{policy.replace('_', '-')}",
         "model": {"name": "tiny", "path": MODEL, "generate": "tiny", "dtype": "bfloat16",
@@ -229,7 +230,7 @@ def topology(policy: str, kv_cache: str) -> Topology:
         "pools": [{"name": "main", "role": "unified", "replicas": 2, "max_ongoing_requests": 256,
                    "resources": {"cpus": 1, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
         "router": {"policy": policy},
-        "gateway": {"host": "127.0.0.1", "port": GATEWAY_PORT},
+        "gateway": {"host": "127.0.0.1", "port": GATEWAY_PORT, "colocate": colocate},
         "cluster": CLUSTER,
     }, f"h2h benchmark ({policy})")
 
@@ -347,7 +348,8 @@ class Bench:
             session.close()
 
     def tokenfab(self, policies: list[str]) -> None:
-        specs = [topology(policy, self.args.kv_cache) for policy in policies]
+        specs = [topology(policy, self.args.kv_cache, self.args.gateway == "colocated")
+                 for policy in policies]
         try:
             cluster.start_head(specs[0].cluster)
             for policy, spec in zip(policies, specs):
@@ -392,6 +394,10 @@ def main() -> None:
                         help="only these systems; floor: each request alone on one idle engine "
                         "that holds every block it has seen (what no router can beat)")
     parser.add_argument("--policies", default="", help="only these policies (default: all)")
+    parser.add_argument("--gateway", choices=("colocated", "process"), default="colocated",
+                        help="tokenfab's gateway served by the pool's replicas (gateway.colocate, "
+                        "the default here: one node, a pool of a fixed size), or in a process of "
+                        "its own (the topology default)")
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--out", default=str(RESULTS / "h2h.json"),
                         help="the JSON; the .md and .png go beside it")
@@ -470,6 +476,7 @@ def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]]
                      "block_tokens": BLOCK_TOKENS, "max_blocks": MAX_BLOCKS,
                      "max_tokens": MAX_TOKENS, "engine_cores": [0, 1],
                      "profiled": bool(args.profile), "engine_nice": args.engine_nice,
+                     "tokenfab_gateway": args.gateway,
                      "scheduling": scheduling},
     }
     if args.raw:

@@ -92,6 +92,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"prefix caching on); prompts of single-token words capped at {s['max_blocks']} blocks, "
         f"{s['max_tokens']} output tokens each. Infinite-cache hit rate (bound) of the sample: "
         f"{result['bound_hit_rate']:.3f}. Run took {result['duration_s'] / 60:.1f} min.", "",
+        "tokenfab's gateway: " + ("served by the pool's two replicas themselves "
+                                  "(`gateway.colocate`)" if s.get("tokenfab_gateway") == "colocated"
+                                  else "in a process of its own (the topology default)") + ".",
+        "",
         _scheduling(s["scheduling"]), "",
         f"ITL: {result['itl_definition']}. `return_token_ids` passed through: "
         + ", ".join(f"{k} {'yes' if v else 'NO'}"
