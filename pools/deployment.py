@@ -247,7 +247,7 @@ class PoolReplica:
         """
         if self._state != "ready":
             return
-        if self._engine.dead and not self._in_flight:
+        if self._engine.dead and not self._busy():
             # It will never answer again. Serve replaces a replica whose check fails only after
             # 3 failures in a row (10-15 s at our period), but one whose process is gone at
             # once: end it, once the requests it held have had their errors.
@@ -257,6 +257,10 @@ class PoolReplica:
         await self._engine.check_health()
         if self._side_channel is not None:
             await _check_listening(self._side_channel)
+
+    def _busy(self) -> bool:
+        """Whether requests still depend on this process (its engine's, here)."""
+        return self._in_flight > 0
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Polled by Serve for the pool's autoscaling policy (autoscaler.serve_policy)."""

@@ -34,7 +34,14 @@ class PoolReplicaWithIngress(PoolReplica):
 
     async def check_health(self) -> None:
         self._ingress.check_health()
+        if self._engine.dead:  # new connections go to the other replicas' listeners
+            self._ingress.stop_accepting()
         await super().check_health()
+
+    def _busy(self) -> bool:
+        """The engine's requests, and the ones this ingress took: those whose replica failed are
+        retried or continued on others from here, so the process ends only after them."""
+        return super()._busy() or self._ingress.in_flight > 0
 
     async def __del__(self) -> None:
         """Tell the other ingresses to send nothing more here, stop taking connections, let

@@ -156,9 +156,18 @@ class Ingress:
         if self._directory_task.done():
             raise RuntimeError(f"replica directory stopped: {self._directory_task!r}")
 
+    @property
+    def in_flight(self) -> int:
+        """Requests this ingress is answering."""
+        return self._routes.in_flight
+
+    def stop_accepting(self) -> None:
+        """Take no new connection (the port's other listeners get them)."""
+        self._server.close()
+
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Stop taking connections and let the requests in flight finish (within `timeout_s`)."""
-        self._server.close()
+        self.stop_accepting()
         deadline = time.monotonic() + timeout_s
         while self._routes.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
