@@ -4,8 +4,10 @@ Both fronts stand before the same engine (the tiny model, one pinned core, eager
 same near-trivial request (a 2-token prompt, 1 output token), so what differs is the layer above
 the engine:
 
-- tokenfab: HTTP -> gateway (API key, tenant limits, fair queue, KV-aware routing key) -> data
-  channel -> pool replica -> engine.
+- tokenfab, gateway in a process of its own (the default): HTTP -> gateway (API key, tenant
+  limits, fair queue, KV-aware routing key) -> data channel -> pool replica -> engine.
+- tokenfab, gateway colocated (`gateway.colocate`): HTTP -> the pool replica's own gateway (the
+  same checks) -> a call -> the same replica's serving code -> engine.
 - vLLM: HTTP -> vLLM's API server -> engine.
 
 One baseline for both: the same request through vLLM's own OpenAI serving code in-process
@@ -14,9 +16,12 @@ between. Added latency = percentile of a front's latencies minus the same percen
 baseline's, requests sent one at a time. Max requests/s: 32 clients in a closed loop for
 `--seconds`, all through the front.
 
-All three (and the pool replica's data channel, called directly) run side by side and are
+The two tokenfab setups are measured one after the other, in a phase each (their one replica
+claims the same core, so they cannot run at once). In a phase, the baseline, vLLM's server,
+tokenfab (and its pool replica's data channel, called directly) run side by side and are
 measured in interleaved rounds, so that a machine whose speed drifts during the run (this one's
-moves by 2x within minutes) moves them all alike. Each round of a target starts with
+moves by 2x within minutes) moves them all alike; each phase has its own baseline and vLLM
+figures, and its ratio is taken within it. Each round of a target starts with
 `WARM_S` of requests that are not counted: the engine served before it stops polling its
 queue (vLLM's worker spins for 1 s after its last message, on the same core) and this one
 wakes up.
@@ -66,6 +71,7 @@ KV_CACHE_BYTES = 64 << 20
 # The core tokenfab's one replica claims (pools.cores takes the lowest free one): the baseline and
 # vLLM's server pin their engine to the same core, so the three differ only above the engine.
 ENGINE_CORE = str(min(os.sched_getaffinity(0)))
+PHASES = {"gateway process": False, "colocated": True}  # phase -> gateway.colocate
 TOPOLOGY = {
     "name": "bench-gateway",
     "model": {"name": "tiny", "path": MODEL_PATH, "generate": "tiny", "dtype": "bfloat16",
@@ -153,10 +159,11 @@ def _record(target: str, fronts: list[float], baselines: list[float], rps: float
 
 class Tokenfab:
     """The deployment, its gateway as a front, and its pool replica's data channel called
-    directly, as the gateway calls it (no HTTP, no gateway)."""
+    directly, as a gateway in another process calls it (no HTTP, no gateway)."""
 
-    def __init__(self) -> None:
-        self.topology = parse_topology(TOPOLOGY, "gateway benchmark")
+    def __init__(self, colocate: bool) -> None:
+        document = TOPOLOGY | {"gateway": TOPOLOGY["gateway"] | {"colocate": colocate}}
+        self.topology = parse_topology(document, "gateway benchmark")
         cluster.start_head(self.topology.cluster)
         try:
             self.root = deployed(self.topology)
@@ -230,7 +237,10 @@ class Tokenfab:
 
 
 class VllmServer:
-    """vLLM's own OpenAI server before the same engine settings, on the same core."""
+    """vLLM's own OpenAI server before the same engine settings, on the same core. Its engine
+    statistics stay on (vLLM's default), as in the baseline and in tokenfab's replicas, which
+    export them: each engine step records them in all three (until session 48 this server ran
+    with `--disable-log-stats`, the one of the three that did not)."""
 
     def __init__(self) -> None:
         env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": ENGINE_CORE, "VLLM_HOST_IP": "127.0.0.1"}
@@ -238,8 +248,8 @@ class VllmServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_PATH,
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(VLLM_PORT),
             "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enable-prefix-caching",
-            "--disable-log-stats"], env=env, stdout=subprocess.DEVNULL,
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enable-prefix-caching"],
+            env=env, stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT, start_new_session=True)
         self.url, self.headers = f"http://127.0.0.1:{VLLM_PORT}/v1/completions", {}
         self._http = httpx.Client(trust_env=False, timeout=60)
@@ -321,41 +331,53 @@ def in_process_baseline() -> None:
 
 
 def measure(count: int, seconds: float) -> list[dict[str, Any]]:
-    """Start the three side by side, then measure them in interleaved rounds."""
+    """Start the baseline and vLLM's server, then each tokenfab setup in turn beside them."""
     started: list[Any] = []
+    records = []
     try:
-        print("starting: the baseline engine, vLLM's server, tokenfab")
+        print("starting: the baseline engine, vLLM's server")
         baseline = Baseline()
         started.append(baseline)
         vllm = VllmServer()
         started.append(vllm)
-        tokenfab = Tokenfab()
-        started.append(tokenfab)
-        per_round = max(1, count // ROUNDS)
-        series: dict[str, list[float]] = {"baseline": [], "tokenfab": [], "channel": [],
-                                          "vllm": []}
-        steps = [("baseline", lambda: baseline.measure(per_round)),
-                 ("tokenfab", lambda: _sequential(tokenfab.front, per_round)),
-                 ("channel", lambda: tokenfab.channel(per_round)),
-                 ("vllm", lambda: _sequential(vllm.front, per_round))]
-        for i in range(ROUNDS):  # each round in another order: none always follows the same one
-            for name, step in steps[i % len(steps):] + steps[:i % len(steps)]:
-                series[name] += step()
-            print(f"round {i + 1} of {ROUNDS}: " + ", ".join(
-                f"{name} p50 {_p(values, 50):.2f} ms" for name, values in series.items()))
-        load = {"tokenfab": [0, 0.0, 0], "vllm": [0, 0.0, 0]}  # done, seconds, failed
-        for i in range(RPS_ROUNDS):
-            fronts = [("tokenfab", tokenfab), ("vllm", vllm)]
-            for name, front in fronts[::-1] if i % 2 else fronts:
-                _sequential(front.front, 0)  # warm only
-                done, elapsed, failed = asyncio.run(
-                    _max_rps(front.url, front.headers, seconds / RPS_ROUNDS))
-                load[name][0] += done
-                load[name][1] += elapsed
-                load[name][2] += failed
+        for phase, colocate in PHASES.items():
+            print(f"phase {phase}: starting tokenfab")
+            tokenfab = Tokenfab(colocate)
+            try:
+                records += [record | {"phase": phase}
+                            for record in _phase(baseline, vllm, tokenfab, count, seconds)]
+            finally:
+                tokenfab.close()
     finally:
         for part in reversed(started):
             part.close()
+    return records
+
+
+def _phase(baseline: Baseline, vllm: VllmServer, tokenfab: Tokenfab, count: int,
+           seconds: float) -> list[dict[str, Any]]:
+    """The three side by side in interleaved rounds (see the module's docstring)."""
+    per_round = max(1, count // ROUNDS)
+    series: dict[str, list[float]] = {"baseline": [], "tokenfab": [], "channel": [], "vllm": []}
+    steps = [("baseline", lambda: baseline.measure(per_round)),
+             ("tokenfab", lambda: _sequential(tokenfab.front, per_round)),
+             ("channel", lambda: tokenfab.channel(per_round)),
+             ("vllm", lambda: _sequential(vllm.front, per_round))]
+    for i in range(ROUNDS):  # each round in another order: none always follows the same one
+        for name, step in steps[i % len(steps):] + steps[:i % len(steps)]:
+            series[name] += step()
+        print(f"round {i + 1} of {ROUNDS}: " + ", ".join(
+            f"{name} p50 {_p(values, 50):.2f} ms" for name, values in series.items()))
+    load = {"tokenfab": [0, 0.0, 0], "vllm": [0, 0.0, 0]}  # done, seconds, failed
+    for i in range(RPS_ROUNDS):
+        fronts = [("tokenfab", tokenfab), ("vllm", vllm)]
+        for name, front in fronts[::-1] if i % 2 else fronts:
+            _sequential(front.front, 0)  # warm only
+            done, elapsed, failed = asyncio.run(
+                _max_rps(front.url, front.headers, seconds / RPS_ROUNDS))
+            load[name][0] += done
+            load[name][1] += elapsed
+            load[name][2] += failed
     return [_record(name, series[name], series["baseline"], load[name][0] / load[name][1],
                     load[name][2], series["channel"] if name == "tokenfab" else None)
             for name in ("tokenfab", "vllm")]
@@ -369,32 +391,35 @@ def markdown(records: list[dict[str, Any]], count: int, seconds: float) -> str:
         "percentile minus the baseline's, the same baseline for both fronts (the engine behind "
         "vLLM's OpenAI serving code, in-process, no HTTP), from requests sent one at a time; max "
         f"req/s from {CLIENTS} closed-loop clients. tokenfab's path includes API-key auth, tenant "
-        "limits, the fair queue and the routing key. The baseline, both fronts and the pool "
-        "replica's data channel run side by side and are measured in "
-        f"{ROUNDS} interleaved rounds (max req/s: {RPS_ROUNDS}), each round after "
-        f"{WARM_S:g} s of uncounted requests, so that drift in the machine's speed moves all "
-        "alike. The client runs in a scheduling group of its own at nice -10 and each front in "
-        "a session of its own (`prioritise_client` in machine.py).", "",
-        "| target | added p50 (ms) | added p99 (ms) | max req/s | front p50 / p99 (ms) | "
+        "limits, the fair queue and the routing key. Two phases, one per tokenfab setup: its "
+        "gateway in a process of its own (the default), and served by the pool replica itself "
+        "(`gateway.colocate`). In each, the baseline, both fronts and the pool replica's data "
+        f"channel run side by side and are measured in {ROUNDS} interleaved rounds (max req/s: "
+        f"{RPS_ROUNDS}), each round after {WARM_S:g} s of uncounted requests, so that drift in "
+        "the machine's speed moves all alike. The client runs in a scheduling group of its own "
+        "at nice -10 and each front in a session of its own (`prioritise_client` in machine.py).",
+        "",
+        "| phase | target | added p50 (ms) | added p99 (ms) | max req/s | front p50 / p99 (ms) | "
         "baseline p50 / p99 (ms) | failed under load |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        lines.append(f"| {r['target']} | {r['added_p50_ms']:.2f} | {r['added_p99_ms']:.2f} | "
-                     f"{r['max_rps']:.1f} | {r['front_p50_ms']:.2f} / {r['front_p99_ms']:.2f} | "
+        lines.append(f"| {r['phase']} | {r['target']} | {r['added_p50_ms']:.2f} | "
+                     f"{r['added_p99_ms']:.2f} | {r['max_rps']:.1f} | "
+                     f"{r['front_p50_ms']:.2f} / {r['front_p99_ms']:.2f} | "
                      f"{r['baseline_p50_ms']:.2f} / {r['baseline_p99_ms']:.2f} | "
                      f"{r['failed_in_load']} |")
-    by = {r["target"]: r for r in records}
-    if "tokenfab" in by:
-        t = by["tokenfab"]
-        lines += ["", "Where tokenfab's added p50 goes, by hop (the replica measured on its data "
-                  "channel directly, as the gateway calls it): HTTP and gateway "
+    for phase in PHASES:
+        by = {r["target"]: r for r in records if r["phase"] == phase}
+        if {"tokenfab", "vllm"} > by.keys():
+            continue
+        t, v = by["tokenfab"], by["vllm"]
+        lines += ["", f"{phase}: tokenfab/vLLM added p50 "
+                  f"{t['added_p50_ms'] / v['added_p50_ms']:.2f}, max req/s "
+                  f"{t['max_rps'] / v['max_rps']:.2f}. Where tokenfab's added p50 goes (the "
+                  "replica measured on its data channel directly): HTTP and gateway "
                   f"{t['gateway_p50_ms']:.2f} ms, pool replica (channel and serving code) "
                   f"{t['replica_p50_ms']:.2f} ms."]
-    if {"tokenfab", "vllm"} <= by.keys():
-        lines += ["", f"Ratio tokenfab/vLLM: added p50 "
-                  f"{by['tokenfab']['added_p50_ms'] / by['vllm']['added_p50_ms']:.2f}, max req/s "
-                  f"{by['tokenfab']['max_rps'] / by['vllm']['max_rps']:.2f}."]
     return "\n".join(lines) + "\n"
 
 
