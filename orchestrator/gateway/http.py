@@ -1,8 +1,9 @@
 """A small HTTP/1.1 server for the gateway: httptools parses, the handler answers, bytes go out.
 
 It is what the request path needs and no more: keep-alive, pipelined requests answered in order,
-bodies capped at a size, JSON and server-sent-event replies (chunked), an idle timeout, and a
-client that leaves cancels the handler of its request. A streamed reply's chunks are written to
+bodies capped at a size, JSON and server-sent-event replies (chunked), an idle timeout, a client
+that leaves cancels the handler of its request, and a close that drains: no new connection, an
+idle kept-alive one closed at once, a busy one after its answers (`connection: close`). A streamed reply's chunks are written to
 the socket by whoever has them (the channel's callback), with no task switch per chunk.
 """
 
@@ -133,6 +134,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._server.connections.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -157,6 +159,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._server.connections.discard(self)
         self._disarm_idle()
         if self._task is not None:
             self._task.cancel()  # the client left: its request's handler stops (and cleans up)
@@ -211,12 +214,14 @@ class _Connection(asyncio.Protocol):
             self._transport.resume_reading()
         if not self._pending or self.closed:
             self._task = None
-            if not self.closed:
+            if self._server.draining:
+                self.close()
+            elif not self.closed:
                 self._arm_idle()
             return
         request = self._pending.popleft()
-        responder = Responder(self, request.keep_alive and not request.too_large,
-                              not request.http10)
+        keep_alive = request.keep_alive and not request.too_large and not self._server.draining
+        responder = Responder(self, keep_alive, not request.http10)
         self._task = asyncio.get_running_loop().create_task(self._answer(request, responder))
 
     async def _answer(self, request: HttpRequest, responder: Responder) -> None:
@@ -251,6 +256,11 @@ class _Connection(asyncio.Protocol):
                          b"connection: close\r\n" % len(body)) + body)
         self.close()
 
+    def close_if_idle(self) -> None:
+        """Close now if no request is being answered or waiting (the server drains)."""
+        if self._task is None and not self._pending:
+            self.close()
+
     def _arm_idle(self) -> None:
         self._idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT_S, self.close)
 
@@ -266,6 +276,8 @@ class HttpServer:
     def __init__(self, handler: Handler, max_body_bytes: int) -> None:
         self.handler, self.max_body_bytes = handler, max_body_bytes
         self._server: asyncio.Server | None = None
+        self.connections: set[_Connection] = set()
+        self.draining = False
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
@@ -274,5 +286,11 @@ class HttpServer:
         return self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
+        """Drain: take no new connection; close idle ones now and busy ones once their answers
+        are out (each says `connection: close`). Clients reconnect to the port's other
+        listeners."""
+        self.draining = True
         if self._server is not None:
             self._server.close()
+        for connection in list(self.connections):
+            connection.close_if_idle()

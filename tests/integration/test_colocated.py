@@ -5,7 +5,10 @@ calls and those it places on the other replica over the channel, with the bare e
 from __future__ import annotations
 
 import json
+import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -14,7 +17,7 @@ import pytest
 from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.cases import PROMPTS
-from tests.integration.conftest import ROOT, up
+from tests.integration.conftest import ROOT, TOKENFAB, up
 
 TOPOLOGY = ROOT / "tests/integration/topology-colocated.yaml"
 ADMIN = {"authorization": "Bearer admin-key"}
@@ -75,3 +78,61 @@ def test_a_colocated_ingress_still_asks_for_a_key(colocated: Topology) -> None:
                           timeout=30, json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_replica_scaled_away_finishes_the_streams_its_ingress_took(colocated: Topology) -> None:
+    """Scale 2 -> 1 while each replica's listener streams a long reply: the replica Serve stops
+    drains (no new connection, its streams finish whole), the other keeps serving."""
+    root = gateway_url(colocated)
+    body = {"model": "tiny", "prompt": "drain", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    clients: dict[str, httpx.Client] = {}
+    deadline = time.monotonic() + 60
+    while len(clients) < 2:  # one connection on each replica's listener
+        assert time.monotonic() < deadline, f"only {list(clients)} answered"
+        client = httpx.Client(base_url=root, trust_env=False, timeout=300)
+        replica = client.get("/tokenfab/router", headers=ADMIN).json()["ingress"]["replica"]
+        if replica in clients:
+            client.close()
+        else:
+            clients[replica] = client
+    usages: dict[str, dict[str, Any]] = {}
+    started = {replica: threading.Event() for replica in clients}
+    ended: dict[str, float] = {}
+
+    def stream(replica: str) -> None:
+        with clients[replica].stream("POST", "/v1/completions", headers=TENANT,
+                                     json=body) as response:
+            assert response.status_code == 200
+            lines = []
+            for line in response.iter_lines():
+                started[replica].set()
+                lines.append(line)
+        ended[replica] = time.monotonic()
+        usages[replica] = _streamed(httpx.Response(200, text="\n".join(lines)))[1]
+
+    with ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(stream, replica) for replica in clients]
+        for event in started.values():
+            assert event.wait(120)
+        scaling = time.monotonic()
+        scaled = subprocess.run(
+            [TOKENFAB, "scale", "main", "1", "--app", colocated.name,
+             "--dashboard", colocated.cluster.dashboard_url],
+            capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+        for future in streams:
+            future.result(timeout=300)
+    assert {r: u["completion_tokens"] for r, u in usages.items()} == dict.fromkeys(clients, 1500)
+    assert min(ended.values()) > scaling  # both were streaming when the scale was asked for
+    for client in clients.values():
+        client.close()
+    deadline = time.monotonic() + 120
+    while len(left := httpx.get(f"{root}/tokenfab/replicas", headers=ADMIN, trust_env=False,
+                                timeout=30).json()) != 1:  # the stopped one leaves the registry
+        assert time.monotonic() < deadline, left
+        time.sleep(0.5)
+    assert left[0]["replica_id"] in clients
+    after = httpx.post(f"{root}/v1/completions", headers=TENANT, trust_env=False, timeout=120,
+                       json={"model": "tiny", "prompt": "after", "max_tokens": 2})
+    assert after.status_code == 200, after.text

@@ -14,7 +14,8 @@ from orchestrator.gateway.http import HttpRequest, HttpServer, Responder
 
 
 class App:
-    """Echoes requests; /stream streams three chunks; /hang waits until cancelled."""
+    """Echoes requests; /stream streams three chunks; /slow answers after 0.2 s; /hang waits
+    until cancelled."""
 
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
@@ -32,6 +33,9 @@ class App:
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
+        elif request.path == "/slow":
+            await asyncio.sleep(0.2)
+            responder.send(200, b"{}")
         elif request.path == "/boom":
             raise RuntimeError("a bug")
         else:
@@ -168,4 +172,40 @@ def test_two_servers_share_a_port() -> None:
         async with httpx.AsyncClient(trust_env=False) as c:
             assert (await c.get(f"http://127.0.0.1:{port}/still")).json()["path"] == "/still"
         second.close()
+    run(scenario())
+
+
+def test_closing_drains_idle_connections_now_and_busy_ones_after_their_answer() -> None:
+    async def scenario() -> None:
+        server, _, port = await serving()
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        idle_writer.write(b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert (await idle_reader.readuntil(b"}")).startswith(b"HTTP/1.1 200")  # kept alive
+        busy_reader, busy_writer = await asyncio.open_connection("127.0.0.1", port)
+        busy_writer.write(b"GET /slow HTTP/1.1\r\nhost: t\r\n\r\n")
+        while not any(c._task for c in server.connections):
+            await asyncio.sleep(0.01)
+        server.close()
+        assert await asyncio.wait_for(idle_reader.read(), 1) == b""  # closed at once
+        answer = await asyncio.wait_for(busy_reader.read(), 2)  # the answer, then the close
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"{}")
+        with pytest.raises(OSError):  # and no new connection
+            await asyncio.open_connection("127.0.0.1", port)
+        for writer in (idle_writer, busy_writer):
+            writer.close()
+    run(scenario())
+
+
+def test_a_request_answered_while_draining_says_connection_close() -> None:
+    async def scenario() -> None:
+        server, _, port = await serving()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: t\r\n\r\nGET /x HTTP/1.1\r\nhost: t\r\n\r\n")
+        while not any(c._pending for c in server.connections):  # the second waits its turn
+            await asyncio.sleep(0.01)
+        server.close()
+        answers = (await asyncio.wait_for(reader.read(), 2)).split(b"HTTP/1.1 ")[1:]
+        assert len(answers) == 2 and b"connection: close" not in answers[0]
+        assert b"connection: close" in answers[1]  # started after the close: the last one
+        writer.close()
     run(scenario())
