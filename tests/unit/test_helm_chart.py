@@ -250,6 +250,8 @@ MODEL = {"name": "m", "path": "org/m"}
      "workerGroups.unified.gpusPerPod is 1"),
     ({"topology": {"name": "x", "model": MODEL, "pools": [POOL], "router": {"policy": "fastest"}}},
      "/topology/router/policy"),
+    ({"topology": {"name": "x", "model": MODEL, "pools": [POOL], "gateway": {"colocate": True}}},
+     "topology.gateway.colocate: this chart serves the gateway from the head pod"),
     ({"topology": {"name": "x", "model": MODEL, "pools": [POOL]}, "tenantKeys": {"a": ["plain"]}},
      "/tenantKeys/a/0"),
 ])
