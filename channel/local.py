@@ -33,14 +33,22 @@ class LocalReply:
         self._link, self._stream, self.done = link, stream, False
 
     def head(self, status: int, streaming: bool, replica_id: str) -> None:
-        self._stream.head.set_result(Head(status, streaming, replica_id))
+        if self._open():
+            self._stream.head.set_result(Head(status, streaming, replica_id))
 
     def data(self, chunk: bytes, token: bool = False) -> None:
-        self._stream._data(chunk, token)
+        if self._open():
+            self._stream._data(chunk, token)
 
     def tokens(self, chunk: bytes, ids: list[int]) -> None:
-        self._stream.ids += ids
-        self._stream._data(chunk, True)
+        if self._open():
+            self._stream.ids += ids
+            self._stream._data(chunk, True)
+
+    def _open(self) -> bool:
+        """Whether the gateway still listens (as a socket's frames for a cancelled stream are
+        dropped by `ReplicaLink`)."""
+        return self._stream.id in self._link._streams
 
     def end(self, usage: Usage) -> None:
         self.done = True
@@ -122,8 +130,11 @@ class LocalLink:
         handler that ended without an end becomes a failed reply."""
         self._tasks.pop(stream.id, None)
         self._handler.release()
-        if task.cancelled() or reply.done:
-            self._streams.pop(stream.id, None)
+        if task.cancelled():  # by `cancel` or `stop` (the stream is gone), or from elsewhere
+            if self._streams.pop(stream.id, None) is not None:
+                stream._fail(LinkLost(f"replica {self.replica} cancelled the request"))
+            return
+        if reply.done:
             return
         error = task.exception()
         if error is not None:

@@ -395,9 +395,14 @@ class Topology(_Strict):
         return self
 
     def ingress_replicas(self) -> int:
-        """Processes serving the gateway, each enforcing its share of the tenants' limits (with
-        gateway.colocate, as the topology starts; the ingresses follow the live count)."""
-        return self.pools[0].replicas if self.gateway.colocate else self.gateway.replicas
+        """The most processes that serve the gateway, each enforcing its share of the tenants'
+        limits: gateway.replicas, or with gateway.colocate the pool's replicas (its
+        max_replicas if autoscaled). Colocated ingresses start at this share and then follow
+        their live count."""
+        if not self.gateway.colocate:
+            return self.gateway.replicas
+        pool = self.pools[0]
+        return pool.max_replicas if self.autoscaled(pool) and pool.max_replicas else pool.replicas
 
     @model_validator(mode="after")
     def _router_inputs(self) -> "Topology":

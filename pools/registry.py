@@ -154,6 +154,9 @@ class Registry:
         await self._put(self._key("ingress", report.replica_id),
                         msgspec.structs.replace(report, reported_at=time.time()))
 
+    async def forget_ingress(self, replica_id: str) -> None:
+        await self._delete(self._key("ingress", replica_id))
+
     async def forget(self, replica_id: str) -> None:
         await asyncio.gather(self._delete(self._key("replica", replica_id)),
                              self._delete(self._key("ingress", replica_id)))

@@ -93,6 +93,9 @@ class ReplicaDirectory:
     async def forget(self, replica_id: str, timeout_s: float = 2.0) -> None:
         await asyncio.wait_for(self._registry.forget(replica_id), timeout_s)
 
+    async def forget_ingress(self, replica_id: str, timeout_s: float = 2.0) -> None:
+        await asyncio.wait_for(self._registry.forget_ingress(replica_id), timeout_s)
+
     def poke(self) -> None:
         """Read the registry again now (a request found no replica that could take it)."""
         if self._poked is not None:

@@ -256,9 +256,15 @@ class _Connection(asyncio.Protocol):
                          b"connection: close\r\n" % len(body)) + body)
         self.close()
 
+    @property
+    def waiting(self) -> int:
+        """Requests received and not yet being answered."""
+        return len(self._pending)
+
     def close_if_idle(self) -> None:
-        """Close now if no request is being answered or waiting (the server drains)."""
-        if self._task is None and not self._pending:
+        """Close now if no request is being answered, waiting, or partly received (the server
+        drains; one partly received is answered with `connection: close` if it completes)."""
+        if self._task is None and not self._pending and self._in_head and not self._head_bytes:
             self.close()
 
     def _arm_idle(self) -> None:
@@ -284,6 +290,10 @@ class HttpServer:
         self._server = await loop.create_server(lambda: _Connection(self), host, port,
                                                 reuse_port=True, backlog=1024)
         return self._server.sockets[0].getsockname()[1]
+
+    def waiting(self) -> int:
+        """Requests received on open connections and not yet handed to the handler."""
+        return sum(connection.waiting for connection in self.connections)
 
     def close(self) -> None:
         """Drain: take no new connection; close idle ones now and busy ones once their answers

@@ -27,6 +27,7 @@ from orchestrator.gateway.flows import DisaggregatedFlow, Flow, UnifiedFlow
 from orchestrator.gateway.http import HttpServer
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.peers import IngressPeers
+from pools.registry import ReplicaReport
 from orchestrator.gateway.routes import Routes
 from orchestrator.gateway.tenancy import Tenants, salt_key
 from kvtransfer.metrics import TransferMetrics
@@ -72,6 +73,18 @@ def event_credentials(app: str) -> EventCredentials:
     """What the router presents to the replicas' event relays. Blocking (a GCS round trip)."""
     keys = event_keys(app)
     return EventCredentials(keys.server_public, keys.client_public, keys.client_secret)
+
+
+def colocated_ingresses(reports: list[ReplicaReport], own_id: str) -> int | None:
+    """How many replicas of a colocated pool serve the gateway now: this one and those listed
+    ready. None when the registry does not list this replica (restarted, or it has not reported
+    yet): then nothing is known, and the share stays as it was.
+
+    Example: reports of self (ready), r2 (ready), r3 (draining) -> 2; reports without self -> None.
+    """
+    if not any(report.replica_id == own_id for report in reports):
+        return None
+    return len({r.replica_id for r in reports if r.state == "ready"} | {own_id})
 
 
 def _waker(handle: DeploymentHandle):
@@ -146,8 +159,11 @@ class Ingress:
         self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter)
         self._server = HttpServer(routes.handle, gateway.max_body_bytes)
         if gateway.colocate:  # every replica of the pool is an ingress: they share the limits
-            self._directory.listen(topology_.pools[0].name, lambda reports: admission.set_ingresses(
-                sum(report.state == "ready" for report in reports)))
+            def count(reports: list[ReplicaReport]) -> None:
+                if (ingresses := colocated_ingresses(reports, replica_id)) is not None:
+                    admission.set_ingresses(ingresses)
+
+            self._directory.listen(topology_.pools[0].name, count)
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")
         await self._server.start(gateway.host, gateway.port)
         logger.info("gateway %s serving on %s:%d", replica_id, gateway.host, gateway.port)
@@ -158,8 +174,8 @@ class Ingress:
 
     @property
     def in_flight(self) -> int:
-        """Requests this ingress is answering."""
-        return self._routes.in_flight
+        """Requests this ingress is answering or has received and will answer."""
+        return self._routes.in_flight + self._server.waiting()
 
     def stop_accepting(self) -> None:
         """Take no new connection (the port's other listeners get them)."""
@@ -169,7 +185,7 @@ class Ingress:
         """Stop taking connections and let the requests in flight finish (within `timeout_s`)."""
         self.stop_accepting()
         deadline = time.monotonic() + timeout_s
-        while self._routes.in_flight and time.monotonic() < deadline:
+        while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
     async def close(self) -> None:
@@ -177,7 +193,7 @@ class Ingress:
         self._directory_task.cancel()
         self._peers.close()
         try:  # the others stop asking it for its series (else its entry expires)
-            await self._directory.forget(self._replica_id)
+            await self._directory.forget_ingress(self._replica_id)
         except Exception:  # noqa: BLE001 - the registry may be gone with the application
             pass
         for pool in self._pools.values():

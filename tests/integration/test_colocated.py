@@ -84,7 +84,7 @@ def test_a_replica_scaled_away_finishes_the_streams_its_ingress_took(colocated: 
     """Scale 2 -> 1 while each replica's listener streams a long reply: the replica Serve stops
     drains (no new connection, its streams finish whole), the other keeps serving."""
     root = gateway_url(colocated)
-    body = {"model": "tiny", "prompt": "drain", "max_tokens": 1500, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": "drain", "max_tokens": 2000, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     clients: dict[str, httpx.Client] = {}
     deadline = time.monotonic() + 60
@@ -111,20 +111,30 @@ def test_a_replica_scaled_away_finishes_the_streams_its_ingress_took(colocated: 
         ended[replica] = time.monotonic()
         usages[replica] = _streamed(httpx.Response(200, text="\n".join(lines)))[1]
 
-    with ThreadPoolExecutor(2) as pool:
-        streams = [pool.submit(stream, replica) for replica in clients]
-        for event in started.values():
-            assert event.wait(120)
-        scaling = time.monotonic()
-        scaled = subprocess.run(
+    def scale() -> subprocess.CompletedProcess:
+        return subprocess.run(
             [TOKENFAB, "scale", "main", "1", "--app", colocated.name,
              "--dashboard", colocated.cluster.dashboard_url],
             capture_output=True, text=True, timeout=300, cwd=ROOT)
-        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+
+    with ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(stream, replica) for replica in clients]
+        for event in started.values():
+            assert event.wait(120)
+        scaled = pool.submit(scale)
+        deadline = time.monotonic() + 120
+        while True:  # until the replica Serve stops says it drains (or is gone)
+            assert time.monotonic() < deadline, "no replica began to drain"
+            states = {r["replica_id"]: r["state"] for r in httpx.get(
+                f"{root}/tokenfab/replicas", headers=ADMIN, trust_env=False, timeout=30).json()}
+            if any(states.get(replica) != "ready" for replica in clients):
+                break
+            time.sleep(0.1)
+        assert not ended, f"streams {list(ended)} ended before a replica drained: too short"
+        assert scaled.result(timeout=300).returncode == 0
         for future in streams:
             future.result(timeout=300)
-    assert {r: u["completion_tokens"] for r, u in usages.items()} == dict.fromkeys(clients, 1500)
-    assert min(ended.values()) > scaling  # both were streaming when the scale was asked for
+    assert {r: u["completion_tokens"] for r, u in usages.items()} == dict.fromkeys(clients, 2000)
     for client in clients.values():
         client.close()
     deadline = time.monotonic() + 120

@@ -147,6 +147,21 @@ def test_replica_failures_reach_the_stream() -> None:
     run(scenario())
 
 
+def test_a_local_request_cancelled_from_elsewhere_fails_its_stream() -> None:
+    """A handler's task cancelled by something other than the gateway (the replica's loop
+    shutting down): the stream fails as lost at once instead of waiting for its deadline."""
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", [Step("head", 200, True), Step("hang")])
+        link = replica.server.local_link("r1")
+        stream = link.open(request())
+        await stream.head
+        next(iter(link._tasks.values())).cancel()
+        with pytest.raises(LinkLost):
+            await stream.end
+        await until(lambda: replica.in_flight == 0)
+    run(scenario())
+
+
 def test_replica_hears_held_counts_from_every_gateway() -> None:
     async def scenario() -> None:
         replica = ScriptedReplica("r1", whole(200, {}))

@@ -176,6 +176,13 @@ INVALID: list[Any] = [
                      pools=[pool(replicas=1, min_replicas=0, max_replicas=3)]),
                  ["(top level): gateway.colocate: pool main may scale to zero replicas, and with "
                   "them the gateway: set min_replicas to 1 or more"], id="colocate-to-zero"),
+    pytest.param(doc(gateway={"colocate": True}, autoscaler={"enabled": True},
+                     auth={"enabled": True}, tenants=[{"name": "a", "api_keys": [
+                         "sha256:" + "0" * 64], "limits": {"requests_per_minute": 3}}],
+                     pools=[pool(replicas=1, min_replicas=1, max_replicas=4)]),
+                 ["(top level): tenants.0.limits.requests_per_minute (a): 3 < the ingress "
+                  "replicas (4) would refuse it forever: each ingress replica's share is under "
+                  "one request"], id="colocate-rpm-below-max-replicas"),
     pytest.param(doc(gateway={"colocate": True, "replicas": 2}),
                  ["(top level): gateway.replicas: 2 with gateway.colocate: the pool's replicas "
                   "are the ingress replicas; leave it out"], id="colocate-gateway-replicas"),

@@ -196,6 +196,23 @@ def test_closing_drains_idle_connections_now_and_busy_ones_after_their_answer() 
     run(scenario())
 
 
+def test_draining_leaves_a_request_partly_received_to_finish() -> None:
+    async def scenario() -> None:
+        server, _, port = await serving()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 4\r\n\r\nab")
+        while not any(not c._in_head for c in server.connections):
+            await asyncio.sleep(0.01)
+        server.close()
+        assert server.connections  # still open: its request is half in
+        writer.write(b"cd")
+        answer = await asyncio.wait_for(reader.read(), 2)
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer
+        assert b'"body": "abcd"' in answer
+        writer.close()
+    run(scenario())
+
+
 def test_a_request_answered_while_draining_says_connection_close() -> None:
     async def scenario() -> None:
         server, _, port = await serving()
@@ -203,6 +220,7 @@ def test_a_request_answered_while_draining_says_connection_close() -> None:
         writer.write(b"GET /slow HTTP/1.1\r\nhost: t\r\n\r\nGET /x HTTP/1.1\r\nhost: t\r\n\r\n")
         while not any(c._pending for c in server.connections):  # the second waits its turn
             await asyncio.sleep(0.01)
+        assert server.waiting() == 1  # counted by a drain (Ingress.in_flight)
         server.close()
         answers = (await asyncio.wait_for(reader.read(), 2)).split(b"HTTP/1.1 ")[1:]
         assert len(answers) == 2 and b"connection: close" not in answers[0]

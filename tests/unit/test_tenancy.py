@@ -233,14 +233,31 @@ def test_a_share_that_changes_keeps_each_bucket_as_full_as_it_was() -> None:
 
 def test_colocated_ingresses_share_the_limits_by_their_live_count() -> None:
     doc = {"name": "acme", "api_keys": [hash_key("k")], "limits": {"requests_per_minute": 12}}
-    spec = topology(auth={"enabled": True}, tenants=[doc], gateway={"colocate": True})
+    pool = BASE["pools"][0] | {"replicas": 1, "min_replicas": 1, "max_replicas": 4}
+    spec = topology(auth={"enabled": True}, tenants=[doc], gateway={"colocate": True},
+                    autoscaler={"enabled": True}, pools=[pool])
     admission = Admission(spec, GatewayMetrics(CollectorRegistry(), ["acme"]), Tenants(spec))
     limiter = admission._limiters["acme"]
-    assert limiter.share == 1.0  # the deployed document lists one replica (counts are overrides)
+    assert limiter.share == 1 / 4  # before the first count: as many as there can be
     admission.set_ingresses(3)
     assert limiter.share == 1 / 3 and limiter._requests.capacity == 4
-    admission.set_ingresses(0)  # none listed ready (all draining): the whole allowance here
-    assert limiter.share == 1.0
+
+
+@pytest.mark.parametrize(("listed", "expected"), [
+    ([("self", "ready"), ("r2", "ready"), ("r3", "draining")], 2),
+    ([("self", "starting"), ("r2", "ready")], 2),  # itself, whatever it last reported
+    ([("r2", "ready")], None),  # a registry that does not list it knows nothing yet
+    ([], None),
+])
+def test_colocated_ingresses_are_counted_from_the_registry(listed, expected) -> None:
+    from orchestrator.gateway.ingress import colocated_ingresses
+    from pools.engine import LoadSnapshot
+    from pools.registry import ReplicaReport
+
+    reports = [ReplicaReport(app="t", pool="main", role="unified", replica_id=name,
+                             node_ip="127.0.0.1", pid=0, cores=[], state=state,
+                             load=LoadSnapshot()) for name, state in listed]
+    assert colocated_ingresses(reports, "self") == expected
 
 
 def test_a_request_larger_than_the_minute_is_refused_outright() -> None:
