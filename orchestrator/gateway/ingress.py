@@ -27,11 +27,11 @@ from orchestrator.gateway.flows import DisaggregatedFlow, Flow, UnifiedFlow
 from orchestrator.gateway.http import HttpServer
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.peers import IngressPeers
-from pools.registry import ReplicaReport
 from orchestrator.gateway.routes import Routes
 from orchestrator.gateway.tenancy import Tenants, salt_key
 from kvtransfer.metrics import TransferMetrics
 from orchestrator.config import PoolSpec, Topology, routing_policy
+from pools.registry import ReplicaReport
 from pools.tokenizer import PromptTokenCounter
 from router.breaker import CircuitBreakers
 from router.event_sync import EventCredentials
@@ -164,6 +164,11 @@ class Ingress:
                     admission.set_ingresses(ingresses)
 
             self._directory.listen(topology_.pools[0].name, count)
+            try:  # the deployed document does not say how many there are: the registry does
+                pool = topology_.pools[0].name
+                count([r for r in await self._directory.snapshot() if r.pool == pool])
+            except Exception as exc:  # noqa: BLE001 - the share of the most there can be, then
+                logger.warning("gateway %s: replica registry unavailable: %r", replica_id, exc)
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")
         await self._server.start(gateway.host, gateway.port)
         logger.info("gateway %s serving on %s:%d", replica_id, gateway.host, gateway.port)
