@@ -4,9 +4,9 @@ Every system stands before two engines of the tiny model (one pinned core each, 
 the same KV cache bytes, prefix caching on) and replays the same sample of a Mooncake-format
 trace. Baselines: two standalone vLLM OpenAI servers behind sglang-router (round_robin,
 cache_aware) or vllm-router (cache_aware). tokenfab: a local Ray head and one `unified` pool of
-2 replicas, routed round_robin or kv_aware, whose replicas serve the gateway themselves
-(`gateway.colocate`; `--gateway process` runs it in a process of its own instead). Baselines run first (servers started once, routers
-one at a time), then tokenfab (one deployment per policy); the two never run together.
+2 replicas, routed round_robin or kv_aware, serving the gateway themselves (`gateway.colocate`;
+`--gateway process`: a gateway process). Baselines run first (servers started once, routers one
+at a time), then tokenfab (one deployment per policy); the two never run together.
 
 The trace is sampled by conversation root (every request whose first block belongs to a seeded
 random share of roots, in trace order, about 115 requests by default); each 512-token block id
@@ -185,7 +185,7 @@ def summarize(run: dict[str, Any], mode: str) -> dict[str, Any]:
     gaps = [float(g) for _, t in ok for g in np.diff(t)]
     wall = max(r["done"] for r in results) - min(r["sent"] for r in results)
     chunks = [n for r, _ in ok for _, n in r["chunks"] if n]
-    cpu = cpu_summary(run, output)
+    cpu = process_cpu.summary(run, output)
     return {
         "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
         "e2e_p50_s": _pct(e2e, 50), "e2e_p90_s": _pct(e2e, 90),
@@ -200,23 +200,6 @@ def summarize(run: dict[str, Any], mode: str) -> dict[str, Any]:
         "tokens_per_chunk": float(np.mean(chunks)) if chunks else None,
         "window_s": run["window_s"], **cpu,
     }
-
-
-def cpu_summary(run: dict[str, Any], output_tokens: int) -> dict[str, Any]:
-    window, categories = run["window_s"], run["categories"]
-    seconds = dict.fromkeys(process_cpu.CATEGORIES, 0.0)
-    breakdown = []
-    for pid, (proc, used) in run["cpu"].items():
-        category = categories.get(pid, "other")
-        seconds[category] += used
-        if category != "other" or used >= 0.05 * window:
-            breakdown.append({"pid": pid, "title": proc.title[:100], "category": category,
-                              "cpu_s": round(used, 3),
-                              "pct_of_core": round(100 * used / window, 1)})
-    breakdown.sort(key=lambda row: -row["cpu_s"])
-    return {"dataplane_cpu_ms_per_token": 1000 * seconds["dataplane"] / max(1, output_tokens),
-            "cpu_pct_of_core": {c: round(100 * s / window, 1) for c, s in seconds.items()},
-            "cpu_breakdown": breakdown}
 
 
 # --- tokenfab ---------------------------------------------------------------------------------
@@ -348,8 +331,8 @@ class Bench:
             session.close()
 
     def tokenfab(self, policies: list[str]) -> None:
-        specs = [topology(policy, self.args.kv_cache, self.args.gateway == "colocated")
-                 for policy in policies]
+        colocate = self.args.gateway == "colocated"
+        specs = [topology(policy, self.args.kv_cache, colocate) for policy in policies]
         try:
             cluster.start_head(specs[0].cluster)
             for policy, spec in zip(policies, specs):
@@ -395,9 +378,8 @@ def main() -> None:
                         "that holds every block it has seen (what no router can beat)")
     parser.add_argument("--policies", default="", help="only these policies (default: all)")
     parser.add_argument("--gateway", choices=("colocated", "process"), default="colocated",
-                        help="tokenfab's gateway served by the pool's replicas (gateway.colocate, "
-                        "the default here: one node, a pool of a fixed size), or in a process of "
-                        "its own (the topology default)")
+                        help="tokenfab's gateway in its pool's replicas (gateway.colocate, the "
+                        "default here) or in a process of its own (the topology default)")
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--out", default=str(RESULTS / "h2h.json"),
                         help="the JSON; the .md and .png go beside it")

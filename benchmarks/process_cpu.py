@@ -27,6 +27,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HZ = os.sysconf("SC_CLK_TCK")
 CATEGORIES = ("dataplane", "engine", "background", "client", "other")
@@ -184,3 +185,23 @@ def port_owners(port: int) -> set[int]:
     """Pids of the processes listening on a TCP port."""
     return {pid for row in listeners() if row["proto"] == "tcp" and row["port"] == port
             for pid in row["pids"]}
+
+
+def summary(run: dict[str, Any], output_tokens: int) -> dict[str, Any]:
+    """A replay's CPU by category: the data path's per output token, each category's % of a
+    core over `run["window_s"]`, and the processes that counted (`run["cpu"]`: pid -> (proc,
+    seconds); `run["categories"]`: pid -> category)."""
+    window, categories = run["window_s"], run["categories"]
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    breakdown = []
+    for pid, (proc, used) in run["cpu"].items():
+        category = categories.get(pid, "other")
+        seconds[category] += used
+        if category != "other" or used >= 0.05 * window:
+            breakdown.append({"pid": pid, "title": proc.title[:100], "category": category,
+                              "cpu_s": round(used, 3),
+                              "pct_of_core": round(100 * used / window, 1)})
+    breakdown.sort(key=lambda row: -row["cpu_s"])
+    return {"dataplane_cpu_ms_per_token": 1000 * seconds["dataplane"] / max(1, output_tokens),
+            "cpu_pct_of_core": {c: round(100 * s / window, 1) for c, s in seconds.items()},
+            "cpu_breakdown": breakdown}
