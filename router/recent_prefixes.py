@@ -3,6 +3,10 @@
 An approximation for engines whose cache we do not observe: a block-aligned prefix counts as
 cached for `ttl_s` after a request carrying it was dispatched, within a bounded number of blocks
 (least recently used first out). Engine-side evictions are not seen; the TTL bounds that error.
+
+A prefix is remembered with the request's cache salt, as an engine caches it: one tenant's
+prompts never count as cached for another's (whose salted blocks the engine does not share), so
+where a request goes never depends on what another tenant sent.
 """
 
 from __future__ import annotations
@@ -24,23 +28,24 @@ class RecentPrefixes:
         self._block, self._capacity, self._ttl, self._clock = block_tokens, capacity_blocks, ttl_s, clock
         self._seen: OrderedDict[int, float] = OrderedDict()  # chained block hash -> last dispatch
 
-    def _hashes(self, token_ids: Sequence[int]) -> list[int]:
-        hashes, parent = [], 0
+    def _hashes(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
+        hashes, parent = [], 0 if salt is None else hash(("cache_salt", salt))
         for start in range(0, len(token_ids) - self._block + 1, self._block):
             parent = hash((parent, tuple(token_ids[start:start + self._block])))
             hashes.append(parent)
         return hashes
 
-    def cached_tokens(self, token_ids: Sequence[int]) -> int:
-        """Tokens of the longest block-aligned prefix dispatched within the TTL.
+    def cached_tokens(self, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """Tokens of the longest block-aligned prefix dispatched within the TTL with the same
+        cache salt.
 
         Example (block 4): after recording [1..10], a prompt [1..8, 99] has 8 cached tokens, and
-        [1, 2, 3, 99, ...] has 0 (its first block differs).
+        [1, 2, 3, 99, ...] has 0 (its first block differs); [1..8] with another salt has 0.
         """
-        return self.cached_blocks(self._hashes(token_ids)) * self._block
+        return self.cached_blocks(self._hashes(token_ids, salt)) * self._block
 
-    def record(self, token_ids: Sequence[int]) -> None:
-        self.record_blocks(self._hashes(token_ids))
+    def record(self, token_ids: Sequence[int], salt: str | None = None) -> None:
+        self.record_blocks(self._hashes(token_ids, salt))
 
     def cached_blocks(self, block_hashes: Sequence[int]) -> int:
         """Blocks of the longest prefix of `block_hashes` (chained, as `_hashes` makes them or as

@@ -53,6 +53,12 @@ class Flow(Protocol):
         reply's usage, or None when it is unknown (then the admission keeps what it charged)."""
 
 
+def _salt(call: Call) -> str | None:
+    """The cache salt the engines get with this call's body (the tenant's, after shaping)."""
+    salt = call.body.get("cache_salt")
+    return salt if isinstance(salt, str) else None
+
+
 def _keys(pools: Mapping[str, PoolDispatcher], request_id: str, tokens: list[int] | None,
           salt: str | None) -> dict[str, RouteKey]:
     return {name: pool.service.route_key(request_id, tokens, salt) for name, pool in pools.items()}
@@ -156,7 +162,7 @@ class DisaggregatedFlow:
                 return params
         self.metrics.path("disaggregated" if params else "decode_only")
         if call.tokens and self._on_decode is not None:
-            self._on_decode.record(call.tokens)  # decode will hold these blocks
+            self._on_decode.record(call.tokens, _salt(call))  # decode will hold these blocks
         return await _leg(self._decode, call, decode_key, decode_body(call.body, params))
 
     def _worth_disaggregating(self, call: Call, decode_key: RouteKey) -> bool:
@@ -172,7 +178,7 @@ class DisaggregatedFlow:
 
         def cached_on_decode() -> int:
             if self._on_decode is not None:
-                return self._on_decode.cached_tokens(tokens)
+                return self._on_decode.cached_tokens(tokens, _salt(call))
             return self._decode.service.cached_tokens(decode_key) or 0
 
         reason = skip_prefill(len(tokens), cached_on_decode, self._spec.min_prompt_tokens)

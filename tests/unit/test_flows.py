@@ -529,6 +529,19 @@ def test_prompt_recently_sent_to_decode_skips_the_prefill_pool() -> None:
     run(scenario())
 
 
+def test_prompt_another_tenant_sent_to_decode_still_takes_the_prefill_pool() -> None:
+    # decode's engine caches each tenant's blocks under its salt: tenant b's copy of a prompt
+    # tenant a just sent is not there, and b's path must not reveal what a sent
+    async def scenario() -> None:
+        flow, prefill, _ = await pd([whole(200, {"kv_transfer_params": PARAMS})] * 2)
+        for salt in ("a", "b", "a"):
+            await serve(flow, call(BODY | {"prompt": "x", "cache_salt": salt}))
+        assert [body["cache_salt"] for _, body in prefill.requests] == ["a", "b"]
+        assert dict(flow.metrics.tally) == {
+            "requests_disaggregated": 2, "skipped_cached_on_decode": 1, "requests_decode_only": 1}
+    run(scenario())
+
+
 def test_decode_block_map_decides_what_skips_the_prefill_pool() -> None:
     # decode's router follows its engines' events (kv_aware): a prompt sent to decode counts as
     # there until decode reports evicting it; then it takes the prefill leg again, where the

@@ -30,6 +30,17 @@ def test_longest_cached_prefix(recorded: list[int], query: list[int], cached: in
     assert prefixes.cached_tokens(query) == cached
 
 
+def test_a_prefix_counts_only_under_the_salt_it_was_sent_with() -> None:
+    prefixes = RecentPrefixes(block_tokens=4, clock=Clock())
+    prefixes.record(list(range(8)), "tenant-a")
+    assert prefixes.cached_tokens(list(range(8)), "tenant-a") == 8
+    assert prefixes.cached_tokens(list(range(8)), "tenant-b") == 0
+    assert prefixes.cached_tokens(list(range(8))) == 0  # unsalted is a salt of its own
+    prefixes.record(list(range(8)))
+    assert prefixes.cached_tokens(list(range(8))) == 8
+    assert prefixes.cached_tokens(list(range(8)), "tenant-b") == 0
+
+
 def test_entries_expire_after_ttl() -> None:
     clock = Clock()
     prefixes = RecentPrefixes(block_tokens=4, ttl_s=10, clock=clock)
