@@ -16,6 +16,14 @@ sizes the pool for the arrival rate expected when the replicas it asks for are r
   steady rate gives no trend, so it never inflates a steady pool.
   Example: the rate grew smoothly from 10 to 34 req/s over the last 120 s, 0.2 req/s per s in
   each half; with a 90 s start time the forecast is 34 + 0.2 x 90 = 52 req/s.
+- **A declared rise** (`rise_rps_per_s`, 0 unless the topology sets one). No trend shows in the
+  first minute of a rise, and a replica asked for then serves a start time later: a pool held at
+  what the rate now needs is short for the whole of that start. Where its users know how fast
+  their traffic can rise, the plan keeps that rise over one start time in hand: it sizes for
+  the rate now plus `max(trend, rise_rps_per_s) x start time`, in quiet phases too. The spare
+  capacity grows with the measured start time, as the rise it must cover does.
+  Example: 8 req/s, no trend, rises of up to 0.12 req/s per s, 90 s start time: the pool is
+  sized for 8 + 0.12 x 90 = 18.8 req/s (with the headroom, 23 replicas of 1 req/s).
 - **Start time.** Measured (`StartClock`): each replica asked for is matched, first asked first
   ready, with the decision that sees it ready; a moving average, the topology's
   `replica_start_s` until the first one.
@@ -50,6 +58,7 @@ class Plan(msgspec.Struct, frozen=True):
     forecast: float  # requests/s expected `horizon_s` from now
     horizon_s: float  # a replica's start time
     peak_rate: float = 0.0  # the highest rate over the scale-down delay
+    spare_rate: float = 0.0  # the declared rise over `horizon_s`, held in hand at all times
 
 
 class Arrivals(msgspec.Struct):
@@ -112,10 +121,11 @@ def trend(samples: Samples) -> float:
     return whole
 
 
-def forecast(samples: Samples, horizon_s: float) -> float:
+def forecast(samples: Samples, horizon_s: float, rise: float = 0.0) -> float:
     """The rate expected `horizon_s` after the last sample (never below the rate now: a falling
-    rate lowers the pool only through the scale-down delay)."""
-    return level(samples) + trend(samples) * horizon_s
+    rate lowers the pool only through the scale-down delay), rising at least by the declared
+    `rise` (requests/s per second) meanwhile."""
+    return level(samples) + max(trend(samples), rise) * horizon_s
 
 
 class StartClock(msgspec.Struct):

@@ -50,8 +50,9 @@ Example: margin 0.5, target_ongoing 8, 3 replicas with 6 ongoing, no waiting, KV
 2 -> 1 needs 6 <= 4: it stays at 2.
 
 With a plan, down goes in one step instead: to what the highest rate of the last
-`downscale_delay_s` needs with the headroom counted twice (never below what the requests in
-flight need at `target_ongoing` each), when the pool has been calm as above (its load under
+`downscale_delay_s` needs with the headroom counted twice, plus the declared rise's spare
+(`rise_rps_per_s` x start time, as up sizes for it; never below what the requests in flight
+need at `target_ongoing` each), when the pool has been calm as above (its load under
 that count's `target_ongoing`) for the delay. A burst's replicas go when it ends, not one per
 delay; the band of one headroom between up and down keeps noise from flapping the pool.
 
@@ -88,6 +89,7 @@ class Targets(msgspec.Struct, frozen=True):
     capacity_rps: float = 0.0  # requests/s one replica serves within the targets; 0: no plan
     headroom: float = 0.2  # the plan sizes for the forecast rate x (1 + headroom)
     replica_start_s: float = 60.0  # the plan's horizon until a start has been measured
+    rise_rps_per_s: float = 0.0  # the fastest rise the plan keeps in hand over a start time
 
 
 class Decision(msgspec.Struct, frozen=True):
@@ -175,7 +177,7 @@ def _down_to(s: PoolSignals, t: Targets, current: int, plan: Plan | None) -> int
         calm = _calm(s, t, current, current - 1,
                      t.scale_down_margin * t.target_ongoing * (current - 1))
         return current - 1 if current > floor and calm else None
-    fewer = max(floor, planned(plan.peak_rate * (1 + t.headroom), t),
+    fewer = max(floor, planned(plan.peak_rate * (1 + t.headroom) + plan.spare_rate, t),
                 math.ceil(s.ongoing / t.target_ongoing))
     if fewer >= current or not _calm(s, t, current, fewer, t.target_ongoing * fewer):
         return None

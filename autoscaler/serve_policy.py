@@ -123,8 +123,10 @@ class PoolPolicy:
         levels = [(at, r) for at, r in state.get("levels", ()) if at > now - t.downscale_delay_s]
         levels.append((now, level(rates)))
         state.update(start_clock=clock, arrivals=arrivals, rates=rates, levels=levels)
-        return Plan(rate=levels[-1][1], forecast=forecast(rates, clock.start_s),
-                    horizon_s=clock.start_s, peak_rate=max(r for _, r in levels))
+        return Plan(rate=levels[-1][1],
+                    forecast=forecast(rates, clock.start_s, t.rise_rps_per_s),
+                    horizon_s=clock.start_s, peak_rate=max(r for _, r in levels),
+                    spare_rate=t.rise_rps_per_s * clock.start_s)
 
 
 def arrival_counters(ctx: Any) -> dict[str, float]:

@@ -93,7 +93,7 @@ def autoscaling_config(topology: Topology, pool: PoolSpec) -> dict[str, Any]:
             "scale_down_margin": spec.scale_down_margin,
             "downscale_delay_s": spec.downscale_delay_s, "idle_to_zero_s": spec.idle_to_zero_s,
             "capacity_rps": spec.capacity_rps, "headroom": spec.headroom,
-            "replica_start_s": spec.replica_start_s,
+            "replica_start_s": spec.replica_start_s, "rise_rps_per_s": spec.rise_rps_per_s,
         }},
     }
 

@@ -272,6 +272,11 @@ class AutoscalerSpec(_Strict):
     replica_start_s: float = Field(
         60.0, gt=0, description="A replica's start time, the plan's horizon until the policy "
         "has measured one.")
+    rise_rps_per_s: float = Field(
+        0.0, ge=0, description="The fastest rise of the arrival rate (requests/s per second) "
+        "the plan must absorb: it keeps this rise over one replica start in hand at all times, "
+        "since no trend shows early enough to order replicas for it. 0: only a measured trend "
+        "adds to the rate. Needs capacity_rps.")
     interval_s: float = Field(1.0, gt=0, description="How often each pool is decided.")
     look_back_s: float = Field(
         5.0, gt=0, description="Window over which replicas' signals are averaged.")
@@ -409,6 +414,16 @@ class Topology(_Strict):
         if self.router.policy == "kv_aware" and not self.kv_events.enabled:
             raise ValueError("router.policy kv_aware reads the engines' KV events: set "
                              "kv_events.enabled to true or choose prefix_approx")
+        return self
+
+    @model_validator(mode="after")
+    def _rise_needs_a_plan(self) -> "Topology":
+        if self.autoscaler.rise_rps_per_s > 0 and not any(
+                self.targets(pool).capacity_rps > 0 for pool in self.pools
+                if self.autoscaled(pool)):
+            raise ValueError("autoscaler.rise_rps_per_s is kept in hand by the plan, which no "
+                             "autoscaled pool has: set autoscaler.capacity_rps (or a pool's "
+                             "autoscaling.capacity_rps)")
         return self
 
     def targets(self, pool: PoolSpec) -> AutoscalerSpec:

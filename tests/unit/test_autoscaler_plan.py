@@ -119,6 +119,30 @@ def test_the_plan_comes_down_in_one_step_to_its_recent_peak() -> None:
                   plan=plan(8.0, peak=9.0)).replicas == 40
 
 
+def test_a_declared_rise_is_kept_in_hand_and_a_steeper_trend_wins() -> None:
+    steady = poisson_rates(lambda t: 8.0, 180, seed=3)
+    assert trend(steady) == 0.0
+    # no trend: the rate now plus the declared rise over the 90 s start
+    assert forecast(steady, 90.0, rise=0.12) == pytest.approx(level(steady) + 10.8)
+    ramp = poisson_rates(lambda t: 10.0 + 0.2 * t, 180, seed=1)
+    assert forecast(ramp, 90.0, rise=0.12) == forecast(ramp, 90.0)  # the trend is steeper
+    # up sizes for 8 + 10.8 req/s; down keeps the same spare over the recent peak, so a pool
+    # at the planned size stays there (no flapping between the two)
+    risen = Targets(**{f: getattr(PLANNED, f) for f in PLANNED.__struct_fields__}
+                    | {"rise_rps_per_s": 0.12})
+    ahead = Plan(rate=8.0, forecast=18.8, horizon_s=90.0, peak_rate=8.0, spare_rate=10.8)
+    calm = PoolSignals(replicas=13, running=20, ttft_p90_s=1.0, itl_p90_s=0.02)
+    assert decide(calm, risen, 13, now=0.0, plan=ahead).replicas == 23  # ceil(18.8 x 1.2)
+    held = decide(calm, risen, 23, now=0.0, plan=ahead)
+    assert decide(calm, risen, 23, now=60.0, calm_since=held.calm_since,
+                  plan=ahead).replicas == 23  # ceil((8 x 1.2 + 10.8) x 1.2) = 25 >= 23
+    # after a burst it comes down to the peak's needs plus the spare, not below
+    d = decide(calm, risen, 40, now=30.0, calm_since=0.0,
+               plan=Plan(rate=8.0, forecast=18.8, horizon_s=90.0, peak_rate=9.0,
+                         spare_rate=10.8))
+    assert d.replicas == 26  # ceil((9 x 1.2 + 10.8) x 1.2) = ceil(25.92)
+
+
 def test_a_planned_pool_does_not_flap_under_noisy_steady_load() -> None:
     """Poisson arrivals at 8 req/s for 20 minutes through PoolPolicy: after reaching its size,
     the pool never changes it."""

@@ -186,6 +186,11 @@ INVALID: list[Any] = [
     pytest.param(doc(gateway={"colocate": True, "replicas": 2}),
                  ["(top level): gateway.replicas: 2 with gateway.colocate: the pool's replicas "
                   "are the ingress replicas; leave it out"], id="colocate-gateway-replicas"),
+    pytest.param(doc(autoscaler={"enabled": True, "rise_rps_per_s": 0.1},
+                     pools=[pool(replicas=1, min_replicas=1, max_replicas=4)]),
+                 ["(top level): autoscaler.rise_rps_per_s is kept in hand by the plan, which no "
+                  "autoscaled pool has: set autoscaler.capacity_rps (or a pool's "
+                  "autoscaling.capacity_rps)"], id="rise-without-plan"),
     pytest.param(with_pool(role="encode", replicas=0),
                  ["pools.0.role: Input should be 'unified', 'prefill' or 'decode'",
                   "pools.0.replicas: Input should be greater than or equal to 1"], id="two-errors"),
