@@ -36,13 +36,14 @@ class Call:
     replica: str = ""
     reached_engine: bool = False  # a replica took it: from then on its work may have been done
     stream_error: int | None = None  # status of an error sent in-stream, after a 200 head
+    echo_id: str | None = None  # the client's `x-request-id`, echoed back (request_id holds it)
 
     @property
     def deadline(self) -> float:
         return self.started + self.timeout_s
 
     def headers(self, replica: str) -> dict[str, str]:
-        return {"x-request-id": self.request_id, "x-tokenfab-replica": replica}
+        return {"x-request-id": self.echo_id or self.request_id, "x-tokenfab-replica": replica}
 
 
 async def relay(call: Call, stream: ReplyStream, head: Head, clock: TokenClock) -> Usage:

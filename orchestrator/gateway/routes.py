@@ -107,6 +107,17 @@ def engine_body(endpoint: str, body: dict[str, Any], prompts: list[list[int]] | 
     return body | {"prompt": prompts[0]}
 
 
+def request_id_for(client_id: str | None) -> str:
+    """The request's own id, unique whatever the client sent: the router counts each request's
+    load under it, so two requests sharing a client's `x-request-id` (one tenant's or two
+    tenants') must not count as one. The client's id leads it, so logs find it, and is what
+    the answer's `x-request-id` echoes.
+
+    Example: "abc" -> "abc-3f9a1c2e"; None -> a random hex id."""
+    suffix = uuid.uuid4().hex
+    return f"{client_id}-{suffix[:8]}" if client_id else suffix
+
+
 def _client_salt(body: dict[str, Any]) -> str | None:
     """The (shaped) body's cache salt, which routing hashes blocks with."""
     salt = body.get("cache_salt")
@@ -152,7 +163,8 @@ class Routes:
 
     async def openai(self, endpoint: str, request: HttpRequest, responder: Responder) -> None:
         started = time.monotonic()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        client_id = request.headers.get("x-request-id")
+        request_id = request_id_for(client_id)
         tenant, ticket, call, usage, untaken = UNKNOWN_TENANT, None, None, None, False
         self.in_flight += 1
         try:
@@ -164,14 +176,14 @@ class Routes:
             if self._send_token_ids:
                 body = engine_body(endpoint, body, prompts)
             call = Call(request_id, endpoint, body, _single(prompts), responder, started,
-                        self._timeout_s)
+                        self._timeout_s, echo_id=client_id)
             usage = await self._flow.serve(call, keys)
         except GatewayError as exc:
             # no replica took it, on any leg: it costs the tenant nothing. A 504 or a client
             # that left while an engine had it is charged (a whole reply's head comes last).
             untaken = exc.code in (NO_REPLICA, OVERLOADED) and not (call and call.reached_engine)
             if not responder.started:
-                exc.send(responder, {"x-request-id": request_id})
+                exc.send(responder, {"x-request-id": client_id or request_id})
         finally:
             self.in_flight -= 1
             if ticket is not None:
@@ -199,6 +211,9 @@ class Routes:
             raise GatewayError(400, "model: field required", "model")
         if model != self._topology.model.name:
             raise GatewayError(404, f"The model `{model}` does not exist.", "model")
+        if "kv_transfer_params" in body:  # it names engines and blocks: other tenants' KV
+            raise GatewayError(400, "kv_transfer_params: set by the gateway between its pools; "
+                               "a request may not carry it", "kv_transfer_params")
         return body
 
     async def _prepare(self, request_id: str, endpoint: str, body: dict[str, Any],

@@ -144,6 +144,20 @@ def test_bad_request_is_answered_once_not_retried(pd: PD) -> None:
     assert response.status_code == 400 and "temperature" in response.json()["error"]["message"]
 
 
+def test_a_client_cannot_name_kv_to_pull(pd: PD) -> None:
+    """kv_transfer_params names engines and blocks: from a client, decode would pull blocks of
+    other tenants' prompts. A short prompt goes to decode alone, with the body as sent."""
+    before = pd.load("decode")["generation_tokens"]
+    response = pd.http.post("/completions", json={
+        "model": MODEL, "prompt": "short", "max_tokens": 4,
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "any",
+                               "remote_block_ids": [[0, 1, 2]]}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "kv_transfer_params" and "may not carry it" in error["message"]
+    assert pd.load("decode")["generation_tokens"] == before  # no engine saw it
+
+
 def test_client_disconnect_frees_both_engines(pd: PD) -> None:
     """A client that leaves mid-stream aborts the decode engine's request: it stops well short of
     its max_tokens (ignore_eos would generate every one of them), and both engines go idle."""

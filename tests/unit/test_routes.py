@@ -1,5 +1,5 @@
 """What the gateway sends the engine: a counted completions prompt as its token ids, only where
-the engine would tokenise the text the same way and never read it."""
+the engine would tokenise the text the same way and never read it; each request's own id."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import load_topology
-from orchestrator.gateway.routes import engine_body, gateway_tokenizer_is_engines
+from orchestrator.gateway.relay import Call
+from orchestrator.gateway.routes import engine_body, gateway_tokenizer_is_engines, request_id_for
 
 TOPOLOGY = Path(__file__).resolve().parents[1] / "integration/topology.yaml"
 IDS = [[42, 297, 84]]
@@ -50,3 +51,15 @@ def test_engine_arguments_that_change_the_tokenizer_keep_prompts_as_text(where: 
         changed = topology.model_copy(update={"pools": [
             pool.model_copy(update={"engine_args": pool.engine_args | {arg: "x"}})]})
     assert not gateway_tokenizer_is_engines(changed)
+
+
+def test_requests_sharing_a_client_id_get_ids_of_their_own() -> None:
+    # the router counts load per request id: a client's x-request-id, reused by one tenant or
+    # sent by two, must not make concurrent requests count as one
+    first, second = request_id_for("abc"), request_id_for("abc")
+    assert first != second and first.startswith("abc-") and second.startswith("abc-")
+    assert request_id_for(None) != request_id_for(None)
+    call = Call(first, "completions", {}, None, None, 0.0, 1.0, echo_id="abc")  # type: ignore[arg-type]
+    assert call.headers("r1") == {"x-request-id": "abc", "x-tokenfab-replica": "r1"}
+    anonymous = Call(request_id_for(None), "completions", {}, None, None, 0.0, 1.0)  # type: ignore[arg-type]
+    assert anonymous.headers("r1")["x-request-id"] == anonymous.request_id
