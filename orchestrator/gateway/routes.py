@@ -107,6 +107,12 @@ def engine_body(endpoint: str, body: dict[str, Any], prompts: list[list[int]] | 
     return body | {"prompt": prompts[0]}
 
 
+# What a tenant's explain answer shows of each replica: its own cache there. The load figures
+# (queued prefill tokens, requests in flight, KV usage, estimates and scores built on them) are
+# every tenant's requests; polled, they would show the sizes of others' prompts as they arrive.
+TENANT_CANDIDATE_FIELDS = ("replica", "cached_tokens", "approx_cached_tokens")
+
+
 def request_id_for(client_id: str | None) -> str:
     """The request's own id, unique whatever the client sent: the router counts each request's
     load under it, so two requests sharing a client's `x-request-id` (one tenant's or two
@@ -257,8 +263,13 @@ class Routes:
         body = self._admission.shape(spec, endpoint, self.read_body(request))
         _, keys = await asyncio.to_thread(self._tokens_and_keys, "explain", endpoint, body,
                                           _client_salt(body))
-        return {pool: dispatcher.service.explain(keys[pool])
-                for pool, dispatcher in self._flow.pools.items()}
+        explained = {pool: dispatcher.service.explain(keys[pool])
+                     for pool, dispatcher in self._flow.pools.items()}
+        if self._topology.auth.enabled:  # the replicas' load is other tenants' traffic
+            for answer in explained.values():
+                answer["candidates"] = [{field: c[field] for field in TENANT_CANDIDATE_FIELDS}
+                                        for c in answer["candidates"]]
+        return explained
 
     def _record(self, request_id: str, tenant: str, endpoint: str, status: int, started: float,
                 call: Call | None, usage: Any, queued_s: float) -> None:

@@ -218,6 +218,9 @@ def test_no_caller_can_probe_another_tenants_cache(root: str) -> None:
     foreign = _post(root, "beta-key", probe, path=explain)
     assert foreign.status_code == 200, foreign.text
     assert [c["cached_tokens"] for c in foreign.json()["main"]["candidates"]] == [0]
+    # nor the replicas' load, which is other tenants' traffic (their prompts' sizes)
+    assert [set(c) for c in foreign.json()["main"]["candidates"]] == [
+        {"replica", "cached_tokens", "approx_cached_tokens"}]
     answered = _post(root, "beta-key", probe)
     assert answered.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
