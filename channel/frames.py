@@ -28,6 +28,7 @@ import msgspec
 
 HEADER = struct.Struct("!IIB")
 MAX_PAYLOAD = 64 << 20  # a frame larger than this is a protocol error (request bodies are capped)
+MAX_HELLO_PAYLOAD = 4096  # before a peer proves the secret: HELLO is well under this
 SECRET_BYTES = 32
 
 
@@ -126,8 +127,9 @@ def frame(kind: Kind, stream: int, payload: bytes = b"") -> bytes:
 class FrameReader:
     """Cuts a byte stream into frames; feed it whatever the socket delivered."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
         self._buffer = bytearray()
+        self.max_payload = max_payload  # may be raised between frames (after a HELLO)
 
     def feed(self, data: bytes) -> Iterator[tuple[int, int, bytes]]:
         """(kind, stream, payload) of every frame completed by `data`, in order."""
@@ -137,7 +139,7 @@ class FrameReader:
         try:
             while size - offset >= HEADER.size:
                 length, stream, kind = HEADER.unpack_from(buffer, offset)
-                if length > MAX_PAYLOAD:
+                if length > self.max_payload:
                     raise ProtocolError(f"frame of {length} bytes")
                 end = offset + HEADER.size + length
                 if end > size:

@@ -73,7 +73,8 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: ChannelServer) -> None:
         self._server = server
-        self._reader = frames.FrameReader()
+        # an anonymous peer may not make the replica hold a large frame for the HELLO timeout
+        self._reader = frames.FrameReader(frames.MAX_HELLO_PAYLOAD)
         self._transport: asyncio.Transport | None = None
         self._writer = frames.FrameWriter()
         self._tasks: dict[int, asyncio.Task] = {}
@@ -106,6 +107,7 @@ class _Connection(asyncio.Protocol):
             if hello is None or not hmac.compare_digest(hello.secret, self._server.secret):
                 raise frames.ProtocolError("no valid HELLO")
             self.gateway = hello.gateway
+            self._reader.max_payload = frames.MAX_PAYLOAD
             self._server.greet(self)
         elif kind == Kind.REQUEST:
             self._request(stream, frames.decode(Kind.REQUEST, payload))

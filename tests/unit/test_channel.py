@@ -84,6 +84,19 @@ def test_wrong_secret_closes_the_connection() -> None:
     run(scenario())
 
 
+def test_a_peer_without_hello_cannot_make_the_replica_buffer_a_large_frame() -> None:
+    async def scenario() -> None:
+        replica = await ScriptedReplica("r1", whole(200, {})).start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", replica.port)
+        # a header announcing a 1 MiB request before any HELLO: closed at once, not held for
+        # the HELLO timeout while the peer trickles the payload in
+        writer.write(frames.HEADER.pack(1 << 20, 1, Kind.REQUEST) + b"x" * 1024)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 2.0) == b""  # closed by the replica
+        writer.close()
+    run(scenario())
+
+
 def test_full_or_draining_replica_refuses_without_starting() -> None:
     async def scenario() -> None:
         replica = ScriptedReplica("r1", [Step("head", 200, True), Step("hang")], capacity=1)
