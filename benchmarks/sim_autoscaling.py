@@ -8,6 +8,8 @@ each phase's rate; tokenfab's kv_aware router places them. Setups:
 - autoscaler: tokenfab's policy (`autoscaler.serve_policy.PoolPolicy`), --min..--max replicas,
   planning: its capacity per replica (`capacity_rps`, and `target_ongoing`) is profiled first, in
   this run, by `sim.profile` on 8 replicas at a sweep of rates against the same targets;
+- autoscaler_rise: the same with a declared rise (`rise_rps_per_s`, --rise): the plan keeps that
+  rise over one replica start in hand;
 - reactive: the same policy without the plan (`capacity_rps` 0), the profiled `target_ongoing`;
 - ray_default: Ray Serve's default (`ray_requests_policy`, target 2 ongoing requests per
   replica, 30 s up and 600 s down delays), same bounds;

@@ -276,7 +276,7 @@ class AutoscalerSpec(_Strict):
         0.0, ge=0, description="The fastest rise of the arrival rate (requests/s per second) "
         "the plan must absorb: it keeps this rise over one replica start in hand at all times, "
         "since no trend shows early enough to order replicas for it. 0: only a measured trend "
-        "adds to the rate. Needs capacity_rps.")
+        "adds to the rate. Needs capacity_rps, and pools that do not scale to zero.")
     interval_s: float = Field(1.0, gt=0, description="How often each pool is decided.")
     look_back_s: float = Field(
         5.0, gt=0, description="Window over which replicas' signals are averaged.")
@@ -418,12 +418,24 @@ class Topology(_Strict):
 
     @model_validator(mode="after")
     def _rise_needs_a_plan(self) -> "Topology":
-        if self.autoscaler.rise_rps_per_s > 0 and not any(
-                self.targets(pool).capacity_rps > 0 for pool in self.pools
-                if self.autoscaled(pool)):
-            raise ValueError("autoscaler.rise_rps_per_s is kept in hand by the plan, which no "
-                             "autoscaled pool has: set autoscaler.capacity_rps (or a pool's "
+        spec = self.autoscaler
+        if spec.rise_rps_per_s <= 0:
+            return self
+        field = "autoscaler.rise_rps_per_s"
+        if not spec.enabled or spec.policy != "tokenfab":
+            raise ValueError(f"{field} is kept in hand by tokenfab's plan: it needs "
+                             "autoscaler.enabled and autoscaler.policy tokenfab")
+        planned = [pool for pool in self.pools
+                   if self.autoscaled(pool) and self.targets(pool).capacity_rps > 0]
+        if not planned:
+            raise ValueError(f"{field} is kept in hand by the plan, which no autoscaled pool "
+                             "has: set autoscaler.capacity_rps (or a pool's "
                              "autoscaling.capacity_rps)")
+        for pool in planned:
+            if pool.min_replicas == 0:
+                raise ValueError(f"{field}: pool {pool.name} may scale to zero, and the rise "
+                                 "kept in hand would hold replicas while it is idle: set its "
+                                 "min_replicas to 1 or more")
         return self
 
     def targets(self, pool: PoolSpec) -> AutoscalerSpec:

@@ -132,7 +132,8 @@ class Admin:
     async def _explain(self, endpoint: str, request: HttpRequest, responder: Responder,
                        explain: Explain) -> None:
         """How each pool would place this completions or chat request now (nothing is sent to
-        an engine): the request's block hashes and every replica's score."""
+        an engine): the request's block hashes and every replica's score; with auth on, the
+        caller's own cache on each replica only (routes.tenant_view)."""
         if endpoint not in ("completions", "chat"):
             return send_error(responder, 404, f"unknown endpoint {endpoint!r}: completions or chat")
         try:

@@ -107,10 +107,18 @@ def engine_body(endpoint: str, body: dict[str, Any], prompts: list[list[int]] | 
     return body | {"prompt": prompts[0]}
 
 
-# What a tenant's explain answer shows of each replica: its own cache there. The load figures
-# (queued prefill tokens, requests in flight, KV usage, estimates and scores built on them) are
-# every tenant's requests; polled, they would show the sizes of others' prompts as they arrive.
+# What a tenant's explain answer shows: its request's blocks and its own cache on each replica.
+# The load figures (queued prefill tokens, requests in flight, KV usage, the estimates, scores
+# and ranking built on them) are every tenant's requests; polled, they would show the sizes of
+# others' prompts as they arrive.
+TENANT_FIELDS = ("pool", "policy", "prompt_tokens", "block_size", "block_hashes")
 TENANT_CANDIDATE_FIELDS = ("replica", "cached_tokens", "approx_cached_tokens")
+
+
+def tenant_view(answer: dict[str, Any]) -> dict[str, Any]:
+    """A pool's explain answer as a tenant sees it (TENANT_FIELDS, TENANT_CANDIDATE_FIELDS)."""
+    return {field: answer[field] for field in TENANT_FIELDS} | {"candidates": [
+        {field: c[field] for field in TENANT_CANDIDATE_FIELDS} for c in answer["candidates"]]}
 
 
 def request_id_for(client_id: str | None) -> str:
@@ -266,9 +274,7 @@ class Routes:
         explained = {pool: dispatcher.service.explain(keys[pool])
                      for pool, dispatcher in self._flow.pools.items()}
         if self._topology.auth.enabled:  # the replicas' load is other tenants' traffic
-            for answer in explained.values():
-                answer["candidates"] = [{field: c[field] for field in TENANT_CANDIDATE_FIELDS}
-                                        for c in answer["candidates"]]
+            return {pool: tenant_view(answer) for pool, answer in explained.items()}
         return explained
 
     def _record(self, request_id: str, tenant: str, endpoint: str, status: int, started: float,

@@ -186,12 +186,14 @@ def test_access_lines_go_to_the_replica_log_not_stderr(deployment: Deployment,
     response = http.post("/completions", headers={"x-request-id": request_id},
                          json={"model": MODEL, "prompt": "logged once", "max_tokens": 1})
     assert response.status_code == 200
+    assert response.headers["x-request-id"] == request_id  # echoed as the client sent it
     logs = Path("/tmp/ray/session_latest/logs")
     replica_logs = list((logs / "serve").glob(f"replica_{deployment.topology.name}_gateway_*.log"))
     assert replica_logs
 
-    def logged() -> bool:
-        return any(request_id in path.read_text(errors="replace") for path in replica_logs)
+    def logged() -> bool:  # the gateway's own id: the client's and 8 hex characters
+        return any(f"request_id={request_id}-" in path.read_text(errors="replace")
+                   for path in replica_logs)
     deadline = time.monotonic() + 30
     while not logged():
         assert time.monotonic() < deadline, f"no access line for {request_id} in {replica_logs}"

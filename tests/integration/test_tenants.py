@@ -221,6 +221,8 @@ def test_no_caller_can_probe_another_tenants_cache(root: str) -> None:
     # nor the replicas' load, which is other tenants' traffic (their prompts' sizes)
     assert [set(c) for c in foreign.json()["main"]["candidates"]] == [
         {"replica", "cached_tokens", "approx_cached_tokens"}]
+    assert set(foreign.json()["main"]) == {"pool", "policy", "prompt_tokens", "block_size",
+                                           "block_hashes", "candidates"}  # no ranking
     answered = _post(root, "beta-key", probe)
     assert answered.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 

@@ -97,6 +97,22 @@ def test_a_peer_without_hello_cannot_make_the_replica_buffer_a_large_frame() -> 
     run(scenario())
 
 
+def test_the_frame_limit_rises_between_frames_of_one_read() -> None:
+    # HELLO and a first request usually come in one read: the limit a HELLO raises applies to
+    # the next frame of the same read
+    reader = FrameReader(frames.MAX_HELLO_PAYLOAD)
+    small, large = b"h" * 10, b"r" * (frames.MAX_HELLO_PAYLOAD + 1000)
+    data = (frames.HEADER.pack(len(small), 0, Kind.HELLO) + small
+            + frames.HEADER.pack(len(large), 1, Kind.REQUEST) + large)
+    got = []
+    for kind, _, payload in reader.feed(data):
+        got.append((kind, len(payload)))
+        reader.max_payload = frames.MAX_PAYLOAD
+    assert got == [(Kind.HELLO, 10), (Kind.REQUEST, len(large))]
+    with pytest.raises(frames.ProtocolError):
+        list(FrameReader(frames.MAX_HELLO_PAYLOAD).feed(data))  # without the HELLO's raise
+
+
 def test_full_or_draining_replica_refuses_without_starting() -> None:
     async def scenario() -> None:
         replica = ScriptedReplica("r1", [Step("head", 200, True), Step("hang")], capacity=1)

@@ -191,6 +191,17 @@ INVALID: list[Any] = [
                  ["(top level): autoscaler.rise_rps_per_s is kept in hand by the plan, which no "
                   "autoscaled pool has: set autoscaler.capacity_rps (or a pool's "
                   "autoscaling.capacity_rps)"], id="rise-without-plan"),
+    pytest.param(doc(autoscaler={"enabled": True, "rise_rps_per_s": 0.1, "capacity_rps": 1},
+                     pools=[pool(replicas=1, min_replicas=0, max_replicas=4)]),
+                 ["(top level): autoscaler.rise_rps_per_s: pool main may scale to zero, and the "
+                  "rise kept in hand would hold replicas while it is idle: set its min_replicas "
+                  "to 1 or more"], id="rise-with-scale-to-zero"),
+    pytest.param(doc(autoscaler={"enabled": True, "rise_rps_per_s": 0.1, "capacity_rps": 1,
+                                 "policy": "ray_requests"},
+                     pools=[pool(replicas=1, min_replicas=1, max_replicas=4)]),
+                 ["(top level): autoscaler.rise_rps_per_s is kept in hand by tokenfab's plan: it "
+                  "needs autoscaler.enabled and autoscaler.policy tokenfab"],
+                 id="rise-with-ray-policy"),
     pytest.param(with_pool(role="encode", replicas=0),
                  ["pools.0.role: Input should be 'unified', 'prefill' or 'decode'",
                   "pools.0.replicas: Input should be greater than or equal to 1"], id="two-errors"),

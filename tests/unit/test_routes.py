@@ -9,7 +9,8 @@ import pytest
 
 from orchestrator.config import load_topology
 from orchestrator.gateway.relay import Call
-from orchestrator.gateway.routes import engine_body, gateway_tokenizer_is_engines, request_id_for
+from orchestrator.gateway.routes import (engine_body, gateway_tokenizer_is_engines,
+                                         request_id_for, tenant_view)
 
 TOPOLOGY = Path(__file__).resolve().parents[1] / "integration/topology.yaml"
 IDS = [[42, 297, 84]]
@@ -63,3 +64,15 @@ def test_requests_sharing_a_client_id_get_ids_of_their_own() -> None:
     assert call.headers("r1") == {"x-request-id": "abc", "x-tokenfab-replica": "r1"}
     anonymous = Call(request_id_for(None), "completions", {}, None, None, 0.0, 1.0)  # type: ignore[arg-type]
     assert anonymous.headers("r1")["x-request-id"] == anonymous.request_id
+
+
+def test_a_tenant_sees_its_own_cache_not_the_replicas_load() -> None:
+    full = {"pool": "main", "policy": "kv_aware", "prompt_tokens": 40, "block_size": 16,
+            "block_hashes": ["a1", "b2"], "ranked": ["r2", "r1"],
+            "candidates": [{"replica": "r1", "cached_tokens": 32, "approx_cached_tokens": 0,
+                            "queued_prefill_tokens": 900, "in_flight": 3, "kv_usage": 0.4,
+                            "cache_fill": 0.9, "estimated_ttft_s": 0.2, "score": -0.2}]}
+    assert tenant_view(full) == {
+        "pool": "main", "policy": "kv_aware", "prompt_tokens": 40, "block_size": 16,
+        "block_hashes": ["a1", "b2"],
+        "candidates": [{"replica": "r1", "cached_tokens": 32, "approx_cached_tokens": 0}]}
