@@ -3,7 +3,8 @@
 It is what the request path needs and no more: keep-alive, pipelined requests answered in order,
 bodies capped at a size, JSON and server-sent-event replies (chunked), an idle timeout, a client
 that leaves cancels the handler of its request, and a close that drains: no new connection, an
-idle kept-alive one closed at once, a busy one after its answers (`connection: close`). A streamed reply's chunks are written to
+idle kept-alive one closed at once, a busy one after its answers (`connection: close`), one
+that has not sent its first request yet after that request or FIRST_REQUEST_GRACE_S. A streamed reply's chunks are written to
 the socket by whoever has them (the channel's callback), with no task switch per chunk.
 """
 
@@ -21,6 +22,10 @@ import httptools
 logger = logging.getLogger("ray.serve").getChild("tokenfab.http")
 
 IDLE_TIMEOUT_S = 75.0  # a kept-alive connection with no request for this long is closed
+# A drain gives a connection that has not sent its first request yet this long to send it: the
+# client connected to send one (a fresh connection is not a kept-alive one the client may find
+# closed and retry), so it is answered, with `connection: close`, not dropped.
+FIRST_REQUEST_GRACE_S = 2.0
 MAX_HEADER_BYTES = 64 << 10
 MAX_PIPELINED = 16  # requests read ahead of the one being answered; more pause reading
 
@@ -118,6 +123,7 @@ class _Connection(asyncio.Protocol):
         self._idle: asyncio.TimerHandle | None = None
         self._paused = False
         self.closed = False
+        self._answered = 0  # requests taken up for an answer
         self._reset()
 
     def _reset(self) -> None:
@@ -220,6 +226,7 @@ class _Connection(asyncio.Protocol):
                 self._arm_idle()
             return
         request = self._pending.popleft()
+        self._answered += 1
         keep_alive = request.keep_alive and not request.too_large and not self._server.draining
         responder = Responder(self, keep_alive, not request.http10)
         self._task = asyncio.get_running_loop().create_task(self._answer(request, responder))
@@ -258,12 +265,27 @@ class _Connection(asyncio.Protocol):
 
     @property
     def waiting(self) -> int:
-        """Requests received and not yet being answered."""
-        return len(self._pending)
+        """Requests received and not yet being answered; while the server drains, a connection
+        still in its first request's grace counts as one (its request is on its way)."""
+        expected = self._server.draining and not self._answered and not self.closed \
+            and self._task is None
+        return len(self._pending) + (1 if expected and not self._pending else 0)
 
     def close_if_idle(self) -> None:
         """Close now if no request is being answered, waiting, or partly received (the server
-        drains; one partly received is answered with `connection: close` if it completes)."""
+        drains; one partly received is answered with `connection: close` if it completes). A
+        connection that has not sent its first request gets FIRST_REQUEST_GRACE_S to send it."""
+        if self._task is None and not self._pending and self._in_head and not self._head_bytes:
+            if self._answered:
+                self.close()
+            elif not self.closed:
+                self._disarm_idle()
+                self._idle = asyncio.get_running_loop().call_later(FIRST_REQUEST_GRACE_S,
+                                                                   self.close_if_idle_now)
+
+    def close_if_idle_now(self) -> None:
+        """The first request's grace is over: close unless a request came (see close_if_idle)."""
+        self._idle = None
         if self._task is None and not self._pending and self._in_head and not self._head_bytes:
             self.close()
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
-from orchestrator.gateway.http import HttpRequest, HttpServer, Responder
+from orchestrator.gateway.http import FIRST_REQUEST_GRACE_S, HttpRequest, HttpServer, Responder
 
 
 class App:
@@ -193,6 +194,30 @@ def test_closing_drains_idle_connections_now_and_busy_ones_after_their_answer() 
             await asyncio.open_connection("127.0.0.1", port)
         for writer in (idle_writer, busy_writer):
             writer.close()
+    run(scenario())
+
+
+def test_draining_answers_the_first_request_of_a_fresh_connection() -> None:
+    # a client that connected just before the drain sends its request just after: answered
+    # (connection: close), not dropped; one that sends nothing is closed after the grace
+    async def scenario() -> None:
+        server, _, port = await serving()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", port)
+        while len(server.connections) < 2:
+            await asyncio.sleep(0.01)
+        server.close()
+        await asyncio.sleep(0.1)
+        assert server.waiting() == 2  # a drain waits for their requests (Ingress.in_flight)
+        writer.write(b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 2)
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer
+        started = time.monotonic()
+        assert await asyncio.wait_for(silent_reader.read(), FIRST_REQUEST_GRACE_S + 2) == b""
+        assert time.monotonic() - started >= FIRST_REQUEST_GRACE_S - 0.5
+        assert server.waiting() == 0
+        for w in (writer, silent_writer):
+            w.close()
     run(scenario())
 
 
