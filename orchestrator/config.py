@@ -272,11 +272,9 @@ class AutoscalerSpec(_Strict):
     replica_start_s: float = Field(
         60.0, gt=0, description="A replica's start time, the plan's horizon until the policy "
         "has measured one.")
-    rise_rps_per_s: float = Field(
-        0.0, ge=0, description="The fastest rise of the arrival rate (requests/s per second) "
-        "the plan must absorb: it keeps this rise over one replica start in hand at all times, "
-        "since no trend shows early enough to order replicas for it. 0: only a measured trend "
-        "adds to the rate. Needs capacity_rps, and pools that do not scale to zero.")
+    rise_rps_per_s: float = Field(0.0, ge=0, description="The fastest rise of the arrival rate "
+        "(req/s per s) the plan keeps in hand over one replica start, since no trend shows early "
+        "enough. 0: only a measured trend. Needs capacity_rps, pools that never scale to zero.")
     interval_s: float = Field(1.0, gt=0, description="How often each pool is decided.")
     look_back_s: float = Field(
         5.0, gt=0, description="Window over which replicas' signals are averaged.")
@@ -418,24 +416,21 @@ class Topology(_Strict):
 
     @model_validator(mode="after")
     def _rise_needs_a_plan(self) -> "Topology":
-        spec = self.autoscaler
+        spec, field = self.autoscaler, "autoscaler.rise_rps_per_s"
         if spec.rise_rps_per_s <= 0:
             return self
-        field = "autoscaler.rise_rps_per_s"
+        planned = [p for p in self.pools if self.autoscaled(p) and self.targets(p).capacity_rps]
         if not spec.enabled or spec.policy != "tokenfab":
             raise ValueError(f"{field} is kept in hand by tokenfab's plan: it needs "
                              "autoscaler.enabled and autoscaler.policy tokenfab")
-        planned = [pool for pool in self.pools
-                   if self.autoscaled(pool) and self.targets(pool).capacity_rps > 0]
         if not planned:
             raise ValueError(f"{field} is kept in hand by the plan, which no autoscaled pool "
                              "has: set autoscaler.capacity_rps (or a pool's "
                              "autoscaling.capacity_rps)")
-        for pool in planned:
-            if pool.min_replicas == 0:
-                raise ValueError(f"{field}: pool {pool.name} may scale to zero, and the rise "
-                                 "kept in hand would hold replicas while it is idle: set its "
-                                 "min_replicas to 1 or more")
+        if idle := next((p for p in planned if p.min_replicas == 0), None):
+            raise ValueError(f"{field}: pool {idle.name} may scale to zero, and the rise kept "
+                             "in hand would hold replicas while it is idle: set its "
+                             "min_replicas to 1 or more")
         return self
 
     def targets(self, pool: PoolSpec) -> AutoscalerSpec:

@@ -53,9 +53,9 @@ class Flow(Protocol):
         reply's usage, or None when it is unknown (then the admission keeps what it charged)."""
 
 
-def _salt(call: Call) -> str | None:
-    """The cache salt the engines get with this call's body (the tenant's, after shaping)."""
-    salt = call.body.get("cache_salt")
+def client_salt(body: dict[str, Any]) -> str | None:
+    """The (shaped) body's cache salt: the one the engines get, which routing hashes with."""
+    salt = body.get("cache_salt")
     return salt if isinstance(salt, str) else None
 
 
@@ -162,7 +162,7 @@ class DisaggregatedFlow:
                 return params
         self.metrics.path("disaggregated" if params else "decode_only")
         if call.tokens and self._on_decode is not None:
-            self._on_decode.record(call.tokens, _salt(call))  # decode will hold these blocks
+            self._on_decode.record(call.tokens, client_salt(call.body))  # decode holds them
         return await _leg(self._decode, call, decode_key, decode_body(call.body, params))
 
     def _worth_disaggregating(self, call: Call, decode_key: RouteKey) -> bool:
@@ -178,7 +178,7 @@ class DisaggregatedFlow:
 
         def cached_on_decode() -> int:
             if self._on_decode is not None:
-                return self._on_decode.cached_tokens(tokens, _salt(call))
+                return self._on_decode.cached_tokens(tokens, client_salt(call.body))
             return self._decode.service.cached_tokens(decode_key) or 0
 
         reason = skip_prefill(len(tokens), cached_on_decode, self._spec.min_prompt_tokens)

@@ -24,7 +24,7 @@ from orchestrator.gateway.admin import Admin
 from orchestrator.gateway.dispatch import NO_REPLICA, OVERLOADED
 from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.errors import GatewayError, send_error
-from orchestrator.gateway.flows import Flow
+from orchestrator.gateway.flows import Flow, client_salt
 from orchestrator.gateway.http import HttpRequest, Responder
 from orchestrator.gateway.metrics import UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.gateway.relay import Call
@@ -132,12 +132,6 @@ def request_id_for(client_id: str | None) -> str:
     return f"{client_id}-{suffix[:8]}" if client_id else suffix
 
 
-def _client_salt(body: dict[str, Any]) -> str | None:
-    """The (shaped) body's cache salt, which routing hashes blocks with."""
-    salt = body.get("cache_salt")
-    return salt if isinstance(salt, str) else None
-
-
 class Routes:
     """Answers every request of one ingress replica's HTTP server."""
 
@@ -235,7 +229,7 @@ class Routes:
         """Each prompt's token ids (if anything reads them) and the flow's route keys. A body
         of `size` bytes up to INLINE_TOKENIZE_BYTES is counted on the loop: the hop to a thread
         and back costs more than its tokens (see INLINE_TOKENIZE_BYTES)."""
-        salt = _client_salt(body)
+        salt = client_salt(body)
         if not self._needs_tokens:
             return None, self._flow.keys(request_id, None, salt)
         if size <= INLINE_TOKENIZE_BYTES:
@@ -270,7 +264,7 @@ class Routes:
         spec = self._admission.authenticate(request.headers.get("authorization"))
         body = self._admission.shape(spec, endpoint, self.read_body(request))
         _, keys = await asyncio.to_thread(self._tokens_and_keys, "explain", endpoint, body,
-                                          _client_salt(body))
+                                          client_salt(body))
         explained = {pool: dispatcher.service.explain(keys[pool])
                      for pool, dispatcher in self._flow.pools.items()}
         if self._topology.auth.enabled:  # the replicas' load is other tenants' traffic
