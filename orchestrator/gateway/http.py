@@ -4,8 +4,10 @@ It is what the request path needs and no more: keep-alive, pipelined requests an
 bodies capped at a size, JSON and server-sent-event replies (chunked), an idle timeout, a client
 that leaves cancels the handler of its request, and a close that drains: no new connection, an
 idle kept-alive one closed at once, a busy one after its answers (`connection: close`), one
-that has not sent its first request yet after that request or FIRST_REQUEST_GRACE_S. A streamed reply's chunks are written to
-the socket by whoever has them (the channel's callback), with no task switch per chunk.
+that has not sent its first request yet after that request or FIRST_REQUEST_GRACE_S, and
+the connections the kernel had queued on the closing listener answered, not reset. A streamed
+reply's chunks are written to the socket by whoever has them (the channel's callback), with no
+task switch per chunk.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ IDLE_TIMEOUT_S = 75.0  # a kept-alive connection with no request for this long i
 FIRST_REQUEST_GRACE_S = 2.0
 MAX_HEADER_BYTES = 64 << 10
 MAX_PIPELINED = 16  # requests read ahead of the one being answered; more pause reading
+MAX_QUEUED = 4096  # connections a closing listener takes from its queue at most (backlog 1024)
+_closing: set[asyncio.Task] = set()  # listeners taking their queues (a task needs a holder)
 
 
 class HttpRequest:
@@ -304,6 +308,7 @@ class HttpServer:
     def __init__(self, handler: Handler, max_body_bytes: int) -> None:
         self.handler, self.max_body_bytes = handler, max_body_bytes
         self._server: asyncio.Server | None = None
+        self._listeners: list[socket.socket] = []
         self.connections: set[_Connection] = set()
         self.draining = False
 
@@ -311,6 +316,10 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port,
                                                 reuse_port=True, backlog=1024)
+        # a descriptor of each listening socket of our own: closing the server's leaves the
+        # socket listening until the connections queued on it are taken (`_take_queued`)
+        self._listeners = [socket.fromfd(s.fileno(), s.family, s.type)
+                           for s in self._server.sockets]
         return self._server.sockets[0].getsockname()[1]
 
     def waiting(self) -> int:
@@ -324,5 +333,36 @@ class HttpServer:
         self.draining = True
         if self._server is not None:
             self._server.close()
+            self._server = None
+            listeners, self._listeners = self._listeners, []
+            task = asyncio.get_running_loop().create_task(self._take_queued(listeners))
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
         for connection in list(self.connections):
             connection.close_if_idle()
+
+    async def _take_queued(self, listeners: list[socket.socket]) -> None:
+        """Answer the connections the kernel queued on this listener, then close it.
+
+        Listeners sharing a port each have an accept queue of their own, and a listening socket
+        that closes resets the connections in its queue: under load, one a drain would lose
+        each time. So the event loop's descriptor is closed first (the server stops accepting),
+        then the queue is taken here until it is empty and the socket closes with it empty:
+        only what arrives in the microseconds between can still be reset. Connections taken
+        here are served as any other while draining (`connection: close`)."""
+        loop = asyncio.get_running_loop()
+        try:
+            for sock in listeners:
+                sock.setblocking(False)
+                for _ in range(MAX_QUEUED):
+                    try:
+                        conn, _ = sock.accept()
+                    except OSError:  # empty (BlockingIOError), or the socket is gone
+                        break
+                    try:
+                        await loop.connect_accepted_socket(lambda: _Connection(self), conn)
+                    except OSError:
+                        conn.close()
+        finally:
+            for sock in listeners:
+                sock.close()

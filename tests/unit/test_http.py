@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
 import pytest
+import uvloop
 
 from orchestrator.gateway.http import FIRST_REQUEST_GRACE_S, HttpRequest, HttpServer, Responder
 
@@ -20,8 +22,10 @@ class App:
 
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
+        self.requests = 0
 
     async def __call__(self, request: HttpRequest, responder: Responder) -> None:
+        self.requests += 1
         if request.path == "/stream":
             responder.start_stream(200, {"x-kind": "sse"})
             for i in range(3):
@@ -174,6 +178,58 @@ def test_two_servers_share_a_port() -> None:
             assert (await c.get(f"http://127.0.0.1:{port}/still")).json()["path"] == "/still"
         second.close()
     run(scenario())
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop],
+                         ids=["asyncio", "uvloop"])
+def test_a_closing_listener_answers_the_connections_queued_on_it(loop_factory) -> None:
+    """Listeners sharing a port (SO_REUSEPORT) each have an accept queue of their own: the
+    kernel hands a connection to one of them before its process accepts it. A listener that
+    closes (a replica drains) answers those queued on it; closing the socket with them queued
+    would reset them."""
+    async def scenario() -> None:
+        first, first_app, port = await serving()
+        second_app = App()
+        second = HttpServer(second_app, 1024)
+        await second.start("127.0.0.1", port)
+        clients = []
+        for _ in range(32):  # connected and sent before either server has accepted any
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n")
+            sock.setblocking(False)
+            clients.append(sock)
+        second.close()
+        answers = await asyncio.gather(*(_answer(sock) for sock in clients))
+        assert [a[:12] for a in answers] == [b"HTTP/1.1 200"] * len(clients)
+        assert second_app.requests > 0 and first_app.requests > 0  # both had some queued
+        await asyncio.sleep(0.1)
+        taken = second_app.requests
+        later = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+        for sock in later:  # once it has closed, the port's other listener takes them all
+            sock.sendall(b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n")
+            sock.setblocking(False)
+        assert [a[:12] for a in await asyncio.gather(*(_answer(s) for s in later))] == [
+            b"HTTP/1.1 200"] * len(later)
+        assert second_app.requests == taken
+        for sock in clients + later:
+            sock.close()
+        first.close()
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(asyncio.wait_for(scenario(), 10))
+
+
+async def _answer(sock: socket.socket) -> bytes:
+    """An answer read to the end of its JSON body (or what came before the connection ended)."""
+    data, loop = b"", asyncio.get_running_loop()
+    try:
+        while not data.endswith(b"}"):
+            chunk = await loop.sock_recv(sock, 4096)
+            if not chunk:
+                break
+            data += chunk
+    except ConnectionResetError:
+        return data + b"<reset>"
+    return data
 
 
 def test_closing_drains_idle_connections_now_and_busy_ones_after_their_answer() -> None:
