@@ -279,7 +279,7 @@ class _Connection(asyncio.Protocol):
         """Close now if no request is being answered, waiting, or partly received (the server
         drains; one partly received is answered with `connection: close` if it completes). A
         connection that has not sent its first request gets FIRST_REQUEST_GRACE_S to send it."""
-        if self._task is None and not self._pending and self._in_head and not self._head_bytes:
+        if self._nothing_in_progress():
             if self._answered:
                 self.close()
             elif not self.closed:
@@ -290,8 +290,12 @@ class _Connection(asyncio.Protocol):
     def close_if_idle_now(self) -> None:
         """The first request's grace is over: close unless a request came (see close_if_idle)."""
         self._idle = None
-        if self._task is None and not self._pending and self._in_head and not self._head_bytes:
+        if self._nothing_in_progress():
             self.close()
+
+    def _nothing_in_progress(self) -> bool:
+        """No request being answered, waiting, or partly received."""
+        return self._task is None and not self._pending and self._in_head and not self._head_bytes
 
     def _arm_idle(self) -> None:
         self._idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT_S, self.close)
