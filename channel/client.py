@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from channel import frames
-from channel.frames import Head, Held, Hello, Kind, Refused, Request, Usage
+from channel.frames import Head, Held, Hello, Kind, Refused, Request, Usage, hello_proof
 
 Sink = Callable[[bytes, bool], None]  # (reply bytes, carries tokens)
 
@@ -89,6 +89,7 @@ class ReplicaLink(asyncio.Protocol):
         self._streams: dict[int, ReplyStream] = {}
         self._ids = itertools.count(1)
         self._writer = frames.FrameWriter()
+        self._challenge: asyncio.Future[bytes] | None = None  # the replica's nonce, at connect
         self.on_state: Callable[[ReplicaLink], None] | None = None
 
     @property
@@ -100,16 +101,19 @@ class ReplicaLink(asyncio.Protocol):
         return time.monotonic() - self._closed_at if self.state == "closed" else 0.0
 
     async def connect(self, timeout_s: float = 5.0) -> None:
-        """Connect and introduce this gateway; LinkLost if the replica cannot be reached."""
+        """Connect and answer the replica's challenge (frames.hello_proof); LinkLost if the
+        replica cannot be reached or does not challenge within `timeout_s`."""
         self.state = "connecting"
         loop = asyncio.get_running_loop()
+        self._challenge = loop.create_future()
         try:
-            await asyncio.wait_for(
-                loop.create_connection(lambda: self, self.host, self.port), timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
+            nonce = await asyncio.wait_for(self._connected(loop), timeout_s)
+        except (OSError, asyncio.TimeoutError, LinkLost) as exc:
+            self.close()
             self.state, self._closed_at = "closed", time.monotonic()
-            raise LinkLost(f"replica {self.replica} at {self.host}:{self.port}: {exc}") from exc
-        self._send(Kind.HELLO, 0, frames.encode(Hello(self._secret, self._gateway)))
+            raise LinkLost(f"replica {self.replica} at {self.host}:{self.port}: {exc!r}") from exc
+        proof = hello_proof(self._secret, nonce, self._gateway)
+        self._send(Kind.HELLO, 0, frames.encode(Hello(proof, self._gateway)))
         if self.state == "connecting":  # a STATE frame may not have come yet: ready until told
             self.state = "ready"
 
@@ -120,6 +124,10 @@ class ReplicaLink(asyncio.Protocol):
         self._streams[stream.id] = stream
         self._send(Kind.REQUEST, stream.id, frames.encode(request))
         return stream
+
+    async def _connected(self, loop: asyncio.AbstractEventLoop) -> bytes:
+        await loop.create_connection(lambda: self, self.host, self.port)
+        return await self._challenge
 
     def cancel(self, stream: ReplyStream) -> None:
         if self._streams.pop(stream.id, None) is not None:
@@ -152,6 +160,11 @@ class ReplicaLink(asyncio.Protocol):
             self._transport.close()
 
     def _frame(self, kind: int, stream_id: int, payload: bytes) -> None:
+        if kind == Kind.CHALLENGE:
+            if self._challenge is None or self._challenge.done():
+                raise frames.ProtocolError("a second challenge")
+            self._challenge.set_result(frames.decode(Kind.CHALLENGE, payload).nonce)
+            return
         if kind == Kind.STATE:
             self.state = frames.decode(Kind.STATE, payload).state
             if self.on_state is not None:
@@ -182,6 +195,8 @@ class ReplicaLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state, self._closed_at = "closed", time.monotonic()
+        if self._challenge is not None and not self._challenge.done():
+            self._challenge.set_exception(LinkLost("closed before its challenge"))
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._fail(LinkLost(f"replica {self.replica} connection lost"))

@@ -3,8 +3,11 @@
     frame   = header payload
     header  = payload length (u32) | stream id (u32) | kind (u8)      network byte order, 9 bytes
 
-Stream 0 is the connection itself (HELLO, HELD, STATE). A request's stream id is chosen by the
-gateway, unique on its connection. Per request, the replica sends exactly one of:
+Stream 0 is the connection itself (CHALLENGE, HELLO, HELD, STATE). A connection opens with the
+replica's CHALLENGE, a one-time nonce, answered by the gateway's HELLO, an HMAC of it under the
+application's secret (`hello_proof`): the secret never crosses the wire, and a HELLO recorded
+from one connection opens no other. A request's stream id is chosen by the gateway, unique on
+its connection. Per request, the replica sends exactly one of:
 
     REFUSED                            not taken (draining, full): the gateway tries elsewhere
     HEAD (DATA | TOKEN | TOKENS)* (END | FAILED)
@@ -20,6 +23,8 @@ from). The other payloads are msgpack arrays (the structs below).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import struct
 from collections.abc import Iterator
 from enum import IntEnum
@@ -30,10 +35,11 @@ HEADER = struct.Struct("!IIB")
 MAX_PAYLOAD = 64 << 20  # a frame larger than this is a protocol error (request bodies are capped)
 MAX_HELLO_PAYLOAD = 4096  # before a peer proves the secret: HELLO is well under this
 SECRET_BYTES = 32
+NONCE_BYTES = 16
 
 
 class Kind(IntEnum):
-    HELLO = 1  # gateway -> replica, stream 0: Hello; must be the connection's first frame
+    HELLO = 1  # gateway -> replica, stream 0: Hello; must be the gateway's first frame
     REQUEST = 2  # gateway -> replica: Request
     CANCEL = 3  # gateway -> replica: abort the request (the client went away)
     HELD = 4  # gateway -> replica, stream 0: Held
@@ -45,11 +51,23 @@ class Kind(IntEnum):
     FAILED = 10  # replica -> gateway: Failed; the reply broke off (engine failure)
     STATE = 11  # replica -> gateway, stream 0: State
     TOKENS = 12  # replica -> gateway: Tokens (TOKEN with the token ids, for track_tokens)
+    CHALLENGE = 13  # replica -> gateway, stream 0: Challenge; the replica's first frame
+
+
+class Challenge(msgspec.Struct, array_like=True, frozen=True):
+    nonce: bytes  # NONCE_BYTES random bytes, new for each connection
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
-    secret: bytes
+    proof: bytes  # hello_proof(secret, the connection's nonce, gateway)
     gateway: str  # who connects, for the replica's logs
+
+
+def hello_proof(secret: bytes, nonce: bytes, gateway: str) -> bytes:
+    """What a gateway shows for the application's secret on one connection: an HMAC-SHA256 of
+    the replica's nonce and the gateway's name under it."""
+    return hmac.digest(secret, b"tokenfab/channel/hello\0" + nonce + gateway.encode(),
+                       hashlib.sha256)
 
 
 class Request(msgspec.Struct, array_like=True, frozen=True):
@@ -106,7 +124,7 @@ encode = msgspec.msgpack.Encoder().encode
 _decoders = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in (
     (Kind.HELLO, Hello), (Kind.REQUEST, Request), (Kind.HELD, Held), (Kind.HEAD, Head),
     (Kind.END, Usage), (Kind.TOKENS, Tokens), (Kind.REFUSED, Refused), (Kind.FAILED, Failed),
-    (Kind.STATE, State))}
+    (Kind.STATE, State), (Kind.CHALLENGE, Challenge))}
 
 
 class ProtocolError(Exception):

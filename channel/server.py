@@ -1,4 +1,4 @@
-"""The replica's end of the channel: accepts gateways that know the secret, runs each request as a
+"""The replica's end of the channel: accepts gateways that prove the secret, runs each request as a
 task of the replica's event loop and writes its reply back as frames.
 
 Frames written by all streams of a connection during one turn of the event loop leave in one
@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 import socket
 from functools import partial
 from typing import Protocol
 
 from channel import frames
-from channel.frames import Failed, Head, Kind, Refused, Request, State, Tokens, Usage
+from channel.frames import Challenge, Failed, Head, Kind, Refused, Request, State, Tokens, Usage
 from channel.local import LocalLink
 
 logger = logging.getLogger(__name__)
@@ -80,11 +81,13 @@ class _Connection(asyncio.Protocol):
         self._tasks: dict[int, asyncio.Task] = {}
         self.gateway: str | None = None  # set by a valid HELLO
         self.held = 0
+        self._nonce = secrets.token_bytes(frames.NONCE_BYTES)  # this connection's challenge
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._writer.transport = self._transport
         asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._close_if_anonymous)
+        self.send(Kind.CHALLENGE, 0, frames.encode(Challenge(self._nonce)))
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -104,7 +107,9 @@ class _Connection(asyncio.Protocol):
     def _frame(self, kind: int, stream: int, payload: bytes) -> None:
         if self.gateway is None:
             hello = frames.decode(Kind.HELLO, payload) if kind == Kind.HELLO else None
-            if hello is None or not hmac.compare_digest(hello.secret, self._server.secret):
+            if hello is None or not hmac.compare_digest(
+                    hello.proof, frames.hello_proof(self._server.secret, self._nonce,
+                                                    hello.gateway)):
                 raise frames.ProtocolError("no valid HELLO")
             self.gateway = hello.gateway
             self._reader.max_payload = frames.MAX_PAYLOAD

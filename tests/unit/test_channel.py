@@ -10,7 +10,7 @@ import pytest
 
 from channel import frames
 from channel.client import LinkLost, ReplicaLink, ReplyFailed
-from channel.frames import FrameReader, Head, Kind, Refused, Request, Usage
+from channel.frames import FrameReader, Head, Hello, Kind, Refused, Request, Usage
 from tests.unit.replicas import SECRET, ScriptedReplica, Step, streamed, whole
 
 
@@ -92,7 +92,45 @@ def test_a_peer_without_hello_cannot_make_the_replica_buffer_a_large_frame() -> 
         # the HELLO timeout while the peer trickles the payload in
         writer.write(frames.HEADER.pack(1 << 20, 1, Kind.REQUEST) + b"x" * 1024)
         await writer.drain()
-        assert await asyncio.wait_for(reader.read(), 2.0) == b""  # closed by the replica
+        said = await asyncio.wait_for(reader.read(), 2.0)  # its challenge, then it closed
+        assert [kind for kind, _, _ in FrameReader().feed(said)] == [Kind.CHALLENGE]
+        writer.close()
+    run(scenario())
+
+
+async def _challenged(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A raw peer's connection and the nonce the replica challenged it with."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    header = await asyncio.wait_for(reader.readexactly(frames.HEADER.size), 2.0)
+    length, stream, kind = frames.HEADER.unpack(header)
+    assert (stream, kind) == (0, Kind.CHALLENGE)
+    challenge = frames.decode(Kind.CHALLENGE, await reader.readexactly(length))
+    return reader, writer, challenge.nonce
+
+
+def test_a_gateway_proves_the_secret_without_sending_it_and_a_recorded_hello_opens_nothing(
+        ) -> None:
+    async def scenario() -> None:
+        replica = await ScriptedReplica("r1", whole(200, {"n": 1}), whole(200, {"n": 2})).start()
+        hellos = []
+        for _ in range(2):  # two connections: a new nonce each, proved with the secret
+            reader, writer, nonce = await _challenged(replica.port)
+            hello = frames.encode(Hello(frames.hello_proof(SECRET, nonce, "gw"), "gw"))
+            assert SECRET not in hello and len(nonce) == frames.NONCE_BYTES
+            writer.write(frames.frame(Kind.HELLO, 0, hello)
+                         + frames.frame(Kind.REQUEST, 1, frames.encode(request())))
+            kinds = [kind for kind, _, _ in FrameReader().feed(
+                await asyncio.wait_for(reader.readuntil(b"}"), 2.0))]
+            assert kinds[0] == Kind.HEAD  # served
+            hellos.append((nonce, hello))
+            writer.close()
+        assert hellos[0][0] != hellos[1][0]
+        # a peer that recorded a HELLO replays it on a connection of its own: closed, unserved
+        reader, writer, _ = await _challenged(replica.port)
+        writer.write(frames.frame(Kind.HELLO, 0, hellos[0][1])
+                     + frames.frame(Kind.REQUEST, 1, frames.encode(request())))
+        assert await asyncio.wait_for(reader.read(), 2.0) == b""
+        assert len(replica.requests) == 2
         writer.close()
     run(scenario())
 
@@ -257,4 +295,16 @@ def test_a_local_link_serves_by_calls_as_a_socket_would() -> None:
         assert link.state == "closed" and replica.in_flight == 0
         with pytest.raises(LinkLost):
             link.open(request())
+    run(scenario())
+
+
+def test_a_peer_that_does_not_challenge_is_no_replica() -> None:
+    async def scenario() -> None:
+        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        link = ReplicaLink("r1", "127.0.0.1", port, SECRET, "gw-1")
+        with pytest.raises(LinkLost):
+            await link.connect(timeout_s=0.3)
+        assert link.state == "closed"
+        silent.close()
     run(scenario())
