@@ -4,9 +4,10 @@ benchmark's setup) and through the simulator, calibrated in the same run.
 1. A local head; the routing benchmark's topology (2 unified replicas of the tiny model, one
    pinned core each, 24MiB KV cache, block 32) for round_robin, deployed, timed (the replica
    start latency) and warmed up.
-2. `sim.calibrate` probes it through its gateway and fits the step-time law; then a calibration
-   replay of other conversations of the trace (roots the window does not have) at
-   --calibration-rate fits the law's scale under load and the request overhead
+2. `sim.calibrate` probes it through its gateway and fits the step-time law; then, on each
+   deployment, calibration replays of other conversations of the trace (roots the window does
+   not have) at each of --calibration-rates (default: the measured rates) fit the law's scale
+   under load and the request overhead, one pair for all of them
    (`sim.calibrate.fit_to_replay`): the `cpu-tiny` profile, written to
    sim/profiles/cpu-tiny.json.
 3. Each policy replays the routing benchmark's sample at each rate (`routing.replay_rate`: cold
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,17 +73,22 @@ def calibration_rows(window: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def fit_deployment(probed: profiles.EngineParams, policy: str, gateway: str,
                    rows: list[dict[str, Any]], words: list[str],
-                   rate: float) -> tuple[profiles.EngineParams, dict[str, Any]]:
-    """The probed law scaled to a calibration replay of other conversations on this deployment
-    (the machine's speed drifts between deployments)."""
+                   rates: list[float]) -> tuple[profiles.EngineParams, dict[str, Any]]:
+    """The probed law scaled to calibration replays of other conversations on this deployment,
+    one at each of `rates` (the machine's speed drifts between deployments, and what the
+    request path adds grows with the load)."""
     extra = calibration_rows(rows)
-    measured = summarize(policy, rate, replay_rate(gateway, extra, words, 50, rate, 0.0))
-    params, scale, error = fit_to_replay(
-        probed, lambda p: simulate(p, policy, extra, 50, rate, 0.0), measured)
-    print(f"{policy}: fitted to the calibration replay: step scale {scale:.2f}, overhead "
+    replays, measured = [], []
+    for i, rate in enumerate(rates):
+        real = summarize(policy, rate, replay_rate(gateway, extra, words, 50 + i, rate, 0.0))
+        replays.append((partial(simulate, policy=policy, rows=extra, index=50 + i, rate=rate,
+                                min_replay_s=0.0), real))
+        measured.append({"rate_rps": rate, "real": real})
+    params, scale, error = fit_to_replay(probed, replays)
+    print(f"{policy}: fitted to the calibration replays: step scale {scale:.2f}, overhead "
           f"{params.request_overhead_s * 1e3:.1f} ms")
-    return params, {"requests": len(extra), "rate_rps": rate, "real": measured,
-                    "step_scale": scale, "request_overhead_s": params.request_overhead_s,
+    return params, {"requests": len(extra), "replays": measured, "step_scale": scale,
+                    "request_overhead_s": params.request_overhead_s,
                     "squared_log_error": error}
 
 
@@ -108,15 +115,16 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"+ {p['per_kv_token_s'] * 1e9:.1f} ns/KV token + {p['per_attn_pair_s'] * 1e12:.2f} "
         f"ps/attention pair; request overhead {p['request_overhead_s'] * 1e3:.1f} ms; replica "
         f"start {p['start_latency_s']:.0f} s.", "",
-        "Then, on each deployment before its measured replays, a calibration replay of other "
-        "conversations of the trace (roots the window does not have) scales the law and sets "
-        "the request overhead (`sim.calibrate.fit_to_replay`):", "",
+        "Then, on each deployment before its measured replays, calibration replays of other "
+        "conversations of the trace (roots the window does not have), one at each calibration "
+        "rate, scale the law and set the request overhead, one pair fitted to all of them "
+        "(`sim.calibrate.fit_to_replay`):", "",
     ]
     for policy, c in result["calibration_replay"].items():
-        lines.append(f"- {policy}: {c['requests']} requests at {c['rate_rps']:g} req/s, real "
-                     f"TTFT p50 {c['real']['ttft_p50_s']:.3f} s, p90 {c['real']['ttft_p90_s']:.3f}"
-                     f" s: step terms x{c['step_scale']:.2f}, overhead "
-                     f"{c['request_overhead_s'] * 1e3:.1f} ms")
+        seen = "; ".join(f"at {r['rate_rps']:g} req/s TTFT p50 {r['real']['ttft_p50_s']:.3f} s, "
+                         f"p90 {r['real']['ttft_p90_s']:.3f} s" for r in c["replays"])
+        lines.append(f"- {policy}: {c['requests']} requests, real {seen}: step terms "
+                     f"x{c['step_scale']:.2f}, overhead {c['request_overhead_s'] * 1e3:.1f} ms")
     lines += [
         "",
         "| policy | load | metric | simulated | real | error |",
@@ -149,7 +157,8 @@ def main() -> None:
     parser.add_argument("--min-replay-s", type=float, default=60.0)
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--calibration-repeats", type=int, default=3)
-    parser.add_argument("--calibration-rate", type=float, default=6.0)
+    parser.add_argument("--calibration-rates", default="",
+                        help="req/s of the calibration replays, comma-separated (default: --rates)")
     parser.add_argument("--profile-out", default=str(profiles.PROFILES / "cpu-tiny.json"))
     parser.add_argument("--out", default=str(RESULTS / "sim_fidelity.json"))
     parser.add_argument("--raw", default="", help="directory for per-request records")
@@ -157,6 +166,7 @@ def main() -> None:
     began = time.monotonic()
     prioritise_client(-10)
     rates = [float(r) for r in args.rates.split(",")]
+    calibration_rates = [float(r) for r in (args.calibration_rates or args.rates).split(",")]
     rows = sample_by_root(TRACE, ROOT_SHARE, SAMPLE_SEED)
     if args.limit:
         rows = rows[:args.limit]
@@ -189,7 +199,7 @@ def main() -> None:
             print(f"probed: {probed}")
         if policy not in fitted:  # this deployment, just before its measured replays
             fitted[policy], result["calibration_replay"][policy] = fit_deployment(
-                probed, policy, gateway, rows, words, args.calibration_rate)
+                probed, policy, gateway, rows, words, calibration_rates)
         results = replay_rate(gateway, rows, words, index, rate, args.min_replay_s)
         real[(policy, rate)] = summarize(policy, rate, results)
         if args.raw:

@@ -22,7 +22,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -270,19 +270,26 @@ def scaled(params: EngineParams, step_scale: float, overhead_s: float) -> Engine
         per_attn_pair_s=params.per_attn_pair_s * step_scale, request_overhead_s=overhead_s)
 
 
-def fit_to_replay(params: EngineParams, simulate: Callable[[EngineParams], dict[str, float]],
-                  real: dict[str, float]) -> tuple[EngineParams, float, float]:
+def fit_to_replay(params: EngineParams,
+                  replays: Sequence[tuple[Callable[[EngineParams], dict[str, float]],
+                                          dict[str, float]]]) -> tuple[EngineParams, float, float]:
     """The probes fit the law's shape on an idle machine; under a replay's load the engines run
     slower (co-located engines and the request path share cores, caches and memory bandwidth)
     and requests wait longer outside them. This fits one scale of every step term and the
-    request overhead to a calibration replay (requests the fidelity window does not have):
-    the grid point whose simulated TTFT p50 and p90 are closest to the real ones in log terms.
-    Returns (profile, step scale, squared log error)."""
+    request overhead to calibration replays (requests the fidelity window does not have), each a
+    pair (simulate, real summary): the grid point whose simulated TTFT p50 and p90 are closest
+    to the real ones in log terms, over every replay together. What the request path adds grows
+    with the load on a machine whose cores it shares, which the profile's constant overhead
+    cannot follow: a fit to one load is off at another, so replays at the loads to be predicted
+    are fitted together. Returns (profile, step scale, squared log error)."""
     best = (math.inf, 1.0, params.request_overhead_s)
     for scale in STEP_SCALES:
         for overhead in OVERHEADS_S:
-            sim = simulate(scaled(params, scale, overhead))
-            error = sum(math.log(sim[m] / real[m]) ** 2 for m in ("ttft_p50_s", "ttft_p90_s"))
+            candidate = scaled(params, scale, overhead)
+            error = 0.0
+            for simulate, real in replays:
+                sim = simulate(candidate)
+                error += sum(math.log(sim[m] / real[m]) ** 2 for m in ("ttft_p50_s", "ttft_p90_s"))
             if error < best[0]:
                 best = (error, scale, overhead)
     error, scale, overhead = best

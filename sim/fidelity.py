@@ -89,8 +89,8 @@ def check(base_url: str, model: str, words: list[str], *, policy: str, replicas:
     shared = {"max_ids": max_ids, "output_tokens": output_tokens}
     measured = real_replay(base_url, model, words, calibration, rate, block_size=block_size,
                            namespace=1, **shared)
-    params, _, _ = fit_to_replay(probed, lambda p: simulated_replay(
-        p, policy, replicas, calibration, rate, namespace=1, **shared), measured)
+    params, _, _ = fit_to_replay(probed, [(lambda p: simulated_replay(
+        p, policy, replicas, calibration, rate, namespace=1, **shared), measured)])
     real = real_replay(base_url, model, words, window, rate, block_size=block_size,
                        namespace=2, **shared)
     sim = simulated_replay(params, policy, replicas, window, rate, namespace=2, **shared)

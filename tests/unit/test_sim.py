@@ -5,13 +5,14 @@ decode pools joined by KV pulls."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import msgspec
 import pytest
 
 from sim import workload
-from sim.calibrate import FEATURES, Observation, fit
+from sim.calibrate import FEATURES, Observation, fit, fit_to_replay
 from sim.cluster import SimCluster
 from sim.engine import SimEngine, SimRequest
 from sim.kvcache import BlockPool
@@ -441,3 +442,33 @@ def test_tokenfab_policies_size_prefill_and_decode_pools_each_by_its_own_load() 
     assert prefill.decisions[0][1:3] == (1, 4) and "backlog" in prefill.decisions[0][3]
     assert sim.prefill.count("ready", "starting", "draining") == 1  # back down after calm
     assert not decode.decisions and max(n for _, n in decode.timeline) == 1
+
+
+def test_fit_to_replay_weighs_every_load_it_is_given() -> None:
+    # TTFTs as replays' would be: an overhead plus the step law's part, which grows with the load.
+    # The real overhead grows with the load too, which the profile's constant cannot follow: a
+    # fit to one load is off at the other; a fit to both is off at neither by as much.
+    probed = load("cpu-tiny")
+    base = probed.step_base_s
+
+    def replay_at(load: float):
+        def simulate(p: EngineParams) -> dict[str, float]:
+            step = p.step_base_s / base
+            return {"ttft_p50_s": p.request_overhead_s + 0.01 * step * load,
+                    "ttft_p90_s": p.request_overhead_s + 0.03 * step * load}
+        return simulate
+
+    def real(load: float, overhead: float) -> dict[str, float]:
+        return {"ttft_p50_s": overhead + 0.015 * load, "ttft_p90_s": overhead + 0.045 * load}
+
+    low, high = (replay_at(1.0), real(1.0, 0.010)), (replay_at(4.0), real(4.0, 0.020))
+    params, scale, error = fit_to_replay(probed, [low])
+    assert (scale, params.request_overhead_s) == (pytest.approx(1.5), pytest.approx(0.010))
+    assert error == pytest.approx(0.0, abs=1e-12)
+
+    def worst(p: EngineParams) -> float:
+        return max(abs(math.log(sim(p)[m] / r[m])) for sim, r in (low, high)
+                   for m in ("ttft_p50_s", "ttft_p90_s"))
+
+    both, _, _ = fit_to_replay(probed, [low, high])
+    assert worst(both) < min(worst(fit_to_replay(probed, [one])[0]) for one in (low, high))
