@@ -7,8 +7,8 @@ benchmark's setup) and through the simulator, calibrated in the same run.
 2. `sim.calibrate` probes it through its gateway and fits the step-time law; then, on each
    deployment, calibration replays of other conversations of the trace (roots the window does
    not have) at each of --calibration-rates (default: the measured rates) fit the law's scale
-   under load and the request overhead, one pair for all of them
-   (`sim.calibrate.fit_to_replay`): the `cpu-tiny` profile, written to
+   under load, the request overhead and what each request already on a replica adds to it,
+   for all of them together (`sim.calibrate.fit_to_replay`): the `cpu-tiny` profile, written to
    sim/profiles/cpu-tiny.json.
 3. Each policy replays the routing benchmark's sample at each rate (`routing.replay_rate`: cold
    caches, repeats of the sample for at least --min-replay-s of arrivals).
@@ -86,9 +86,11 @@ def fit_deployment(probed: profiles.EngineParams, policy: str, gateway: str,
         measured.append({"rate_rps": rate, "real": real})
     params, scale, error = fit_to_replay(probed, replays)
     print(f"{policy}: fitted to the calibration replays: step scale {scale:.2f}, overhead "
-          f"{params.request_overhead_s * 1e3:.1f} ms")
+          f"{params.request_overhead_s * 1e3:.1f} ms + {params.overhead_per_stream_s * 1e3:.1f} "
+          "ms per request on the replica")
     return params, {"requests": len(extra), "replays": measured, "step_scale": scale,
                     "request_overhead_s": params.request_overhead_s,
+                    "overhead_per_stream_s": params.overhead_per_stream_s,
                     "squared_log_error": error}
 
 
@@ -117,14 +119,17 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"start {p['start_latency_s']:.0f} s.", "",
         "Then, on each deployment before its measured replays, calibration replays of other "
         "conversations of the trace (roots the window does not have), one at each calibration "
-        "rate, scale the law and set the request overhead, one pair fitted to all of them "
-        "(`sim.calibrate.fit_to_replay`):", "",
+        "rate, scale the law and set the request overhead and what each request already on the "
+        "replica adds to it, fitted to all of them together (`sim.calibrate.fit_to_replay`):",
+        "",
     ]
     for policy, c in result["calibration_replay"].items():
         seen = "; ".join(f"at {r['rate_rps']:g} req/s TTFT p50 {r['real']['ttft_p50_s']:.3f} s, "
                          f"p90 {r['real']['ttft_p90_s']:.3f} s" for r in c["replays"])
         lines.append(f"- {policy}: {c['requests']} requests, real {seen}: step terms "
-                     f"x{c['step_scale']:.2f}, overhead {c['request_overhead_s'] * 1e3:.1f} ms")
+                     f"x{c['step_scale']:.2f}, overhead {c['request_overhead_s'] * 1e3:.1f} ms "
+                     f"+ {c['overhead_per_stream_s'] * 1e3:.1f} ms per request already on the "
+                     "replica")
     lines += [
         "",
         "| policy | load | metric | simulated | real | error |",

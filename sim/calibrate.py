@@ -259,15 +259,20 @@ def calibrate(base_url: str, model: str, words: list[str], *, block_size: int, k
 
 STEP_SCALES = [0.8 + 0.1 * i for i in range(23)]  # 0.8 .. 3.0
 OVERHEADS_S = [0.0025 * i for i in range(1, 21)]  # 2.5 .. 50 ms
+PER_STREAM_S = [0.001 * i for i in (0, 1, 2, 3, 4, 6, 8)]  # per request already on the replica
 
 
-def scaled(params: EngineParams, step_scale: float, overhead_s: float) -> EngineParams:
-    """The profile with every step-time term times `step_scale`, and `overhead_s` per request."""
+def scaled(params: EngineParams, step_scale: float, overhead_s: float,
+           per_stream_s: float | None = None) -> EngineParams:
+    """The profile with every step-time term times `step_scale`, `overhead_s` per request and,
+    if given, `per_stream_s` more per request already on the replica."""
     return msgspec.structs.replace(
         params, step_base_s=params.step_base_s * step_scale,
         per_token_s=params.per_token_s * step_scale, per_seq_s=params.per_seq_s * step_scale,
         per_kv_token_s=params.per_kv_token_s * step_scale,
-        per_attn_pair_s=params.per_attn_pair_s * step_scale, request_overhead_s=overhead_s)
+        per_attn_pair_s=params.per_attn_pair_s * step_scale, request_overhead_s=overhead_s,
+        overhead_per_stream_s=params.overhead_per_stream_s if per_stream_s is None
+        else per_stream_s)
 
 
 def fit_to_replay(params: EngineParams,
@@ -278,19 +283,29 @@ def fit_to_replay(params: EngineParams,
     and requests wait longer outside them. This fits one scale of every step term and the
     request overhead to calibration replays (requests the fidelity window does not have), each a
     pair (simulate, real summary): the grid point whose simulated TTFT p50 and p90 are closest
-    to the real ones in log terms, over every replay together. What the request path adds grows
-    with the load on a machine whose cores it shares, which the profile's constant overhead
-    cannot follow: a fit to one load is off at another, so replays at the loads to be predicted
-    are fitted together. Returns (profile, step scale, squared log error)."""
-    best = (math.inf, 1.0, params.request_overhead_s)
-    for scale in STEP_SCALES:
-        for overhead in OVERHEADS_S:
-            candidate = scaled(params, scale, overhead)
-            error = 0.0
-            for simulate, real in replays:
-                sim = simulate(candidate)
-                error += sum(math.log(sim[m] / real[m]) ** 2 for m in ("ttft_p50_s", "ttft_p90_s"))
-            if error < best[0]:
-                best = (error, scale, overhead)
-    error, scale, overhead = best
-    return scaled(params, scale, overhead), scale, error
+    to the real ones in log terms, over every replay together.
+
+    What the request path adds grows with the load on a machine whose cores it shares; one
+    constant overhead fitted across loads is too high at the low one and too low at the high
+    one. Given replays at more than one load, the overhead each request already on the replica
+    adds (`overhead_per_stream_s`) is fitted too, with the scale and overhead near the first
+    fit's. Returns (profile, step scale, squared log error)."""
+    def error_of(candidate: EngineParams) -> float:
+        error = 0.0
+        for simulate, real in replays:
+            sim = simulate(candidate)
+            error += sum(math.log(sim[m] / real[m]) ** 2 for m in ("ttft_p50_s", "ttft_p90_s"))
+        return error
+
+    best = min((error_of(scaled(params, scale, overhead)), scale, overhead,
+                params.overhead_per_stream_s)
+               for scale in STEP_SCALES for overhead in OVERHEADS_S)
+    if len(replays) > 1:
+        _, near_scale, near_overhead, _ = best
+        best = min([best] + [
+            (error_of(scaled(params, scale, overhead, per_stream)), scale, overhead, per_stream)
+            for scale in (near_scale - 0.1, near_scale, near_scale + 0.1)
+            for overhead in (near_overhead - 0.0025 * k for k in range(5))
+            for per_stream in PER_STREAM_S if overhead > 0 and scale > 0])
+    error, scale, overhead, per_stream = best
+    return scaled(params, scale, overhead, per_stream), scale, error

@@ -472,3 +472,27 @@ def test_fit_to_replay_weighs_every_load_it_is_given() -> None:
 
     both, _, _ = fit_to_replay(probed, [low, high])
     assert worst(both) < min(worst(fit_to_replay(probed, [one])[0]) for one in (low, high))
+
+
+def test_fit_to_replays_at_two_loads_finds_the_overhead_that_grows_with_the_load() -> None:
+    # as the simulator adds it: the overhead, plus `overhead_per_stream_s` for each request
+    # already on the replica (here: as many as the load)
+    probed = msgspec.structs.replace(load("cpu-tiny"), overhead_per_stream_s=0.0)
+    base = probed.step_base_s
+
+    def replay_at(load: float):
+        def simulate(p: EngineParams) -> dict[str, float]:
+            step, overhead = p.step_base_s / base, p.overhead_s(int(load))
+            return {"ttft_p50_s": overhead + 0.01 * step * load,
+                    "ttft_p90_s": overhead + 0.03 * step * load}
+        return simulate
+
+    truth = msgspec.structs.replace(probed, step_base_s=base * 1.5, request_overhead_s=0.0125,
+                                    overhead_per_stream_s=0.002)
+    pairs = [(replay_at(load), replay_at(load)(truth)) for load in (1.0, 4.0)]
+    params, scale, error = fit_to_replay(probed, pairs)
+    assert (scale, params.request_overhead_s, params.overhead_per_stream_s) == (
+        pytest.approx(1.5), pytest.approx(0.0125), pytest.approx(0.002))
+    assert error == pytest.approx(0.0, abs=1e-12)
+    alone, _, _ = fit_to_replay(probed, pairs[:1])  # one load: the overhead per stream as probed
+    assert alone.overhead_per_stream_s == 0.0
