@@ -115,8 +115,9 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"written to sim/profiles/cpu-tiny.json: step = {p['step_base_s'] * 1e3:.2f} ms "
         f"+ {p['per_token_s'] * 1e6:.1f} us/token + {p['per_seq_s'] * 1e6:.1f} us/request "
         f"+ {p['per_kv_token_s'] * 1e9:.1f} ns/KV token + {p['per_attn_pair_s'] * 1e12:.2f} "
-        f"ps/attention pair; request overhead {p['request_overhead_s'] * 1e3:.1f} ms; replica "
-        f"start {p['start_latency_s']:.0f} s.", "",
+        f"ps/attention pair; request overhead {p['request_overhead_s'] * 1e3:.1f} ms + "
+        f"{p['overhead_per_stream_s'] * 1e3:.1f} ms per request already on the replica; "
+        f"replica start {p['start_latency_s']:.0f} s.", "",
         "Then, on each deployment before its measured replays, calibration replays of other "
         "conversations of the trace (roots the window does not have), one at each calibration "
         "rate, scale the law and set the request overhead and what each request already on the "

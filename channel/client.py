@@ -85,7 +85,8 @@ class ReplicaLink(asyncio.Protocol):
         self.state = "new"  # -> connecting -> ready | draining -> closed
         self._closed_at = 0.0
         self._transport: asyncio.Transport | None = None
-        self._reader = frames.FrameReader()
+        # a peer that has not challenged yet has proved nothing: small frames until it has
+        self._reader = frames.FrameReader(frames.MAX_HELLO_PAYLOAD)
         self._streams: dict[int, ReplyStream] = {}
         self._ids = itertools.count(1)
         self._writer = frames.FrameWriter()
@@ -109,6 +110,8 @@ class ReplicaLink(asyncio.Protocol):
         try:
             nonce = await asyncio.wait_for(self._connected(loop), timeout_s)
         except (OSError, asyncio.TimeoutError, LinkLost) as exc:
+            if not self._challenge.done():
+                self._challenge.cancel()  # nobody waits for it any more
             self.close()
             self.state, self._closed_at = "closed", time.monotonic()
             raise LinkLost(f"replica {self.replica} at {self.host}:{self.port}: {exc!r}") from exc
@@ -160,11 +163,15 @@ class ReplicaLink(asyncio.Protocol):
             self._transport.close()
 
     def _frame(self, kind: int, stream_id: int, payload: bytes) -> None:
-        if kind == Kind.CHALLENGE:
-            if self._challenge is None or self._challenge.done():
-                raise frames.ProtocolError("a second challenge")
-            self._challenge.set_result(frames.decode(Kind.CHALLENGE, payload).nonce)
+        challenge = self._challenge
+        if challenge is None or not challenge.done() or challenge.cancelled():
+            if kind != Kind.CHALLENGE or challenge is None or challenge.done():
+                raise frames.ProtocolError("no challenge first")  # or connect gave up on it
+            challenge.set_result(frames.decode(Kind.CHALLENGE, payload).nonce)
+            self._reader.max_payload = frames.MAX_PAYLOAD
             return
+        if kind == Kind.CHALLENGE:
+            raise frames.ProtocolError("a second challenge")
         if kind == Kind.STATE:
             self.state = frames.decode(Kind.STATE, payload).state
             if self.on_state is not None:

@@ -13,6 +13,7 @@ task switch per chunk.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 from collections import deque
@@ -32,6 +33,10 @@ MAX_HEADER_BYTES = 64 << 10
 MAX_PIPELINED = 16  # requests read ahead of the one being answered; more pause reading
 MAX_QUEUED = 4096  # connections a closing listener takes from its queue at most (backlog 1024)
 _closing: set[asyncio.Task] = set()  # listeners taking their queues (a task needs a holder)
+# accept(2) on Linux: errors of one pending connection, to be treated as a retry (its man page)
+_ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.ENETDOWN, errno.ENOPROTOOPT,
+                           errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP,
+                           errno.ENETUNREACH})
 
 
 class HttpRequest:
@@ -148,7 +153,10 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._arm_idle()
+        if self._server.draining:  # taken from a closing listener's queue: as any fresh one
+            self.close_if_idle()
+        else:
+            self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
         self._disarm_idle()
@@ -339,9 +347,19 @@ class HttpServer:
             self._server.close()
             self._server = None
             listeners, self._listeners = self._listeners, []
-            task = asyncio.get_running_loop().create_task(self._take_queued(listeners))
-            _closing.add(task)
-            task.add_done_callback(_closing.discard)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop to serve them on: closed, as the server's own were
+                _close_all(listeners)
+            else:
+                task = loop.create_task(self._take_queued(listeners))
+                _closing.add(task)
+
+                def done(task: asyncio.Task) -> None:  # also if cancelled before it started
+                    _closing.discard(task)
+                    _close_all(listeners)
+
+                task.add_done_callback(done)
         for connection in list(self.connections):
             connection.close_if_idle()
 
@@ -352,21 +370,31 @@ class HttpServer:
         that closes resets the connections in its queue: under load, one a drain would lose
         each time. So the event loop's descriptor is closed first (the server stops accepting),
         then the queue is taken here until it is empty and the socket closes with it empty:
-        only what arrives in the microseconds between can still be reset. Connections taken
-        here are served as any other while draining (`connection: close`)."""
+        only what arrives in the microseconds between, and handshakes not yet complete on it,
+        can still be reset. Connections taken
+        here are served as any other while draining (`connection: close`). The sockets are
+        closed when this ends, however it ends (`close`)."""
         loop = asyncio.get_running_loop()
-        try:
-            for sock in listeners:
-                sock.setblocking(False)
-                for _ in range(MAX_QUEUED):
-                    try:
-                        conn, _ = sock.accept()
-                    except OSError:  # empty (BlockingIOError), or the socket is gone
-                        break
-                    try:
-                        await loop.connect_accepted_socket(lambda: _Connection(self), conn)
-                    except OSError:
-                        conn.close()
-        finally:
-            for sock in listeners:
-                sock.close()
+        for sock in listeners:
+            sock.setblocking(False)
+            for _ in range(MAX_QUEUED):
+                try:
+                    conn, _ = sock.accept()
+                except (BlockingIOError, InterruptedError):  # the queue is empty
+                    break
+                except OSError as exc:
+                    if exc.errno in _ACCEPT_RETRY:  # that client's error; the queue goes on
+                        continue
+                    logger.warning("taking the connections queued on a closing listener: %r",
+                                   exc)
+                    break
+                try:
+                    await loop.connect_accepted_socket(lambda: _Connection(self), conn)
+                except OSError:
+                    conn.close()
+            sock.close()  # at once: what comes in after the last accept is reset
+
+
+def _close_all(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()

@@ -308,3 +308,17 @@ def test_a_peer_that_does_not_challenge_is_no_replica() -> None:
         assert link.state == "closed"
         silent.close()
     run(scenario())
+
+
+def test_a_peer_that_speaks_before_its_challenge_is_no_replica() -> None:
+    async def scenario() -> None:
+        def speak(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(frames.frame(Kind.STATE, 0, frames.encode(frames.State("ready"))))
+
+        rogue = await asyncio.start_server(speak, "127.0.0.1", 0)
+        link = ReplicaLink("r1", "127.0.0.1", rogue.sockets[0].getsockname()[1], SECRET, "gw-1")
+        with pytest.raises(LinkLost):
+            await link.connect(timeout_s=2.0)
+        assert link.state == "closed"
+        rogue.close()
+    run(scenario())

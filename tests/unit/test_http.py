@@ -308,3 +308,21 @@ def test_a_request_answered_while_draining_says_connection_close() -> None:
         assert b"connection: close" in answers[1]  # started after the close: the last one
         writer.close()
     run(scenario())
+
+
+def test_a_connection_taken_from_a_closing_listeners_queue_gets_the_first_request_grace() -> None:
+    # queued, sending nothing: closed after FIRST_REQUEST_GRACE_S, as a fresh connection that
+    # the drain found, and counted as waiting until then (not for the idle timeout)
+    async def scenario() -> None:
+        server, _, port = await serving()
+        silent = socket.create_connection(("127.0.0.1", port))  # queued, not yet accepted
+        silent.setblocking(False)
+        server.close()
+        await asyncio.sleep(0.1)
+        assert len(server.connections) == 1 and server.waiting() == 1
+        started = time.monotonic()
+        assert await asyncio.wait_for(_answer(silent), FIRST_REQUEST_GRACE_S + 2) == b""
+        assert time.monotonic() - started <= FIRST_REQUEST_GRACE_S + 0.5
+        assert server.waiting() == 0
+        silent.close()
+    run(scenario())
