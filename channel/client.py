@@ -164,9 +164,11 @@ class ReplicaLink(asyncio.Protocol):
 
     def _frame(self, kind: int, stream_id: int, payload: bytes) -> None:
         challenge = self._challenge
-        if challenge is None or not challenge.done() or challenge.cancelled():
-            if kind != Kind.CHALLENGE or challenge is None or challenge.done():
-                raise frames.ProtocolError("no challenge first")  # or connect gave up on it
+        if challenge is None or challenge.cancelled():  # connect gave up: nothing is expected
+            raise frames.ProtocolError(f"frame kind {kind} on a link not connecting")
+        if not challenge.done():
+            if kind != Kind.CHALLENGE:
+                raise frames.ProtocolError("no challenge first")
             challenge.set_result(frames.decode(Kind.CHALLENGE, payload).nonce)
             self._reader.max_payload = frames.MAX_PAYLOAD
             return

@@ -371,9 +371,9 @@ class HttpServer:
         each time. So the event loop's descriptor is closed first (the server stops accepting),
         then the queue is taken here until it is empty and the socket closes with it empty:
         only what arrives in the microseconds between, and handshakes not yet complete on it,
-        can still be reset. Connections taken
-        here are served as any other while draining (`connection: close`). The sockets are
-        closed when this ends, however it ends (`close`)."""
+        can still be reset. Connections taken here are served as any other while draining
+        (`connection: close`). The sockets are closed when this ends, however it ends
+        (`close`)."""
         loop = asyncio.get_running_loop()
         for sock in listeners:
             sock.setblocking(False)

@@ -116,7 +116,7 @@ def test_a_gateway_proves_the_secret_without_sending_it_and_a_recorded_hello_ope
         for _ in range(2):  # two connections: a new nonce each, proved with the secret
             reader, writer, nonce = await _challenged(replica.port)
             hello = frames.encode(Hello(frames.hello_proof(SECRET, nonce, "gw"), "gw"))
-            assert SECRET not in hello and len(nonce) == frames.NONCE_BYTES
+            assert len(nonce) == frames.NONCE_BYTES
             writer.write(frames.frame(Kind.HELLO, 0, hello)
                          + frames.frame(Kind.REQUEST, 1, frames.encode(request())))
             kinds = [kind for kind, _, _ in FrameReader().feed(
@@ -321,4 +321,27 @@ def test_a_peer_that_speaks_before_its_challenge_is_no_replica() -> None:
             await link.connect(timeout_s=2.0)
         assert link.state == "closed"
         rogue.close()
+    run(scenario())
+
+
+def test_the_links_hello_answers_the_challenge_and_carries_no_secret() -> None:
+    # what ReplicaLink puts on the wire, read by a peer that challenges it as a replica does
+    async def scenario() -> None:
+        nonce, said = b"n" * frames.NONCE_BYTES, asyncio.get_running_loop().create_future()
+
+        async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(frames.frame(Kind.CHALLENGE, 0, frames.encode(frames.Challenge(nonce))))
+            header = await reader.readexactly(frames.HEADER.size)
+            length, _, kind = frames.HEADER.unpack(header)
+            said.set_result((kind, header + await reader.readexactly(length)))
+
+        server = await asyncio.start_server(replica, "127.0.0.1", 0)
+        link = ReplicaLink("r1", "127.0.0.1", server.sockets[0].getsockname()[1], SECRET, "gw-1")
+        await link.connect()
+        kind, wire = await asyncio.wait_for(said, 2.0)
+        hello = frames.decode(Kind.HELLO, wire[frames.HEADER.size:])
+        assert kind == Kind.HELLO and SECRET not in wire
+        assert hello == Hello(frames.hello_proof(SECRET, nonce, "gw-1"), "gw-1")
+        link.close()
+        server.close()
     run(scenario())
