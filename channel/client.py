@@ -6,13 +6,15 @@ callback: relaying a token wakes no task.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
+import secrets
 import socket
 import time
 from collections.abc import Callable
 
 from channel import frames
-from channel.frames import Head, Held, Hello, Kind, Refused, Request, Usage, hello_proof
+from channel.frames import Head, Held, Hello, Kind, Open, Refused, Request, Usage, hello_proof
 
 Sink = Callable[[bytes, bool], None]  # (reply bytes, carries tokens)
 
@@ -91,6 +93,7 @@ class ReplicaLink(asyncio.Protocol):
         self._ids = itertools.count(1)
         self._writer = frames.FrameWriter()
         self._challenge: asyncio.Future[bytes] | None = None  # the replica's nonce, at connect
+        self._nonce = secrets.token_bytes(frames.NONCE_BYTES)  # this connection's, in OPEN
         self.on_state: Callable[[ReplicaLink], None] | None = None
 
     @property
@@ -102,8 +105,9 @@ class ReplicaLink(asyncio.Protocol):
         return time.monotonic() - self._closed_at if self.state == "closed" else 0.0
 
     async def connect(self, timeout_s: float = 5.0) -> None:
-        """Connect and answer the replica's challenge (frames.hello_proof); LinkLost if the
-        replica cannot be reached or does not challenge within `timeout_s`."""
+        """Connect, check the replica's proof of the secret and give the gateway's (frames.py);
+        LinkLost if the replica cannot be reached, does not prove the secret under its name, or
+        does not answer within `timeout_s`. Nothing is sent to a peer that failed its proof."""
         self.state = "connecting"
         loop = asyncio.get_running_loop()
         self._challenge = loop.create_future()
@@ -115,7 +119,7 @@ class ReplicaLink(asyncio.Protocol):
             self.close()
             self.state, self._closed_at = "closed", time.monotonic()
             raise LinkLost(f"replica {self.replica} at {self.host}:{self.port}: {exc!r}") from exc
-        proof = hello_proof(self._secret, nonce, self._gateway)
+        proof = hello_proof(self._secret, nonce, self._nonce, self._gateway)
         self._send(Kind.HELLO, 0, frames.encode(Hello(proof, self._gateway)))
         if self.state == "connecting":  # a STATE frame may not have come yet: ready until told
             self.state = "ready"
@@ -154,6 +158,7 @@ class ReplicaLink(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._send(Kind.OPEN, 0, frames.encode(Open(self._nonce)))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -169,7 +174,14 @@ class ReplicaLink(asyncio.Protocol):
         if not challenge.done():
             if kind != Kind.CHALLENGE:
                 raise frames.ProtocolError("no challenge first")
-            challenge.set_result(frames.decode(Kind.CHALLENGE, payload).nonce)
+            said = frames.decode(Kind.CHALLENGE, payload)
+            nonce = frames.nonce(said.nonce)
+            if not hmac.compare_digest(said.proof, frames.replica_proof(
+                    self._secret, self._nonce, nonce, self.replica)):
+                challenge.set_exception(LinkLost(f"replica {self.replica} at {self.host}:"
+                                                 f"{self.port} did not prove the secret"))
+                raise frames.ProtocolError("the replica's proof failed")
+            challenge.set_result(nonce)
             self._reader.max_payload = frames.MAX_PAYLOAD
             return
         if kind == Kind.CHALLENGE:

@@ -3,11 +3,17 @@
     frame   = header payload
     header  = payload length (u32) | stream id (u32) | kind (u8)      network byte order, 9 bytes
 
-Stream 0 is the connection itself (CHALLENGE, HELLO, HELD, STATE). A connection opens with the
-replica's CHALLENGE, a one-time nonce, answered by the gateway's HELLO, an HMAC of it under the
-application's secret (`hello_proof`): the secret never crosses the wire, and a HELLO recorded
-from one connection opens no other. A request's stream id is chosen by the gateway, unique on
-its connection. Per request, the replica sends exactly one of:
+Stream 0 is the connection itself (OPEN, CHALLENGE, HELLO, HELD, STATE). Each end proves the
+application's secret to the other, without sending it, over nonces new for each connection:
+
+    gateway -> OPEN       its nonce
+    replica -> CHALLENGE  its nonce, and `replica_proof` (an HMAC of both nonces and its name)
+    gateway -> HELLO      `hello_proof` (an HMAC of both nonces and the gateway's name)
+
+The gateway sends nothing more (no request) to a peer whose proof fails: a process that took a
+replica's address, or another replica answering for it, learns no prompt. A proof recorded on one
+connection opens no other. A request's stream id is chosen by the gateway, unique on its
+connection. Per request, the replica sends exactly one of:
 
     REFUSED                            not taken (draining, full): the gateway tries elsewhere
     HEAD (DATA | TOKEN | TOKENS)* (END | FAILED)
@@ -39,7 +45,7 @@ NONCE_BYTES = 16
 
 
 class Kind(IntEnum):
-    HELLO = 1  # gateway -> replica, stream 0: Hello; must be the gateway's first frame
+    HELLO = 1  # gateway -> replica, stream 0: Hello; the gateway's second frame
     REQUEST = 2  # gateway -> replica: Request
     CANCEL = 3  # gateway -> replica: abort the request (the client went away)
     HELD = 4  # gateway -> replica, stream 0: Held
@@ -52,22 +58,44 @@ class Kind(IntEnum):
     STATE = 11  # replica -> gateway, stream 0: State
     TOKENS = 12  # replica -> gateway: Tokens (TOKEN with the token ids, for track_tokens)
     CHALLENGE = 13  # replica -> gateway, stream 0: Challenge; the replica's first frame
+    OPEN = 14  # gateway -> replica, stream 0: Open; the gateway's first frame
+
+
+class Open(msgspec.Struct, array_like=True, frozen=True):
+    nonce: bytes  # the gateway's: NONCE_BYTES random bytes, new for each connection
 
 
 class Challenge(msgspec.Struct, array_like=True, frozen=True):
-    nonce: bytes  # NONCE_BYTES random bytes, new for each connection
+    nonce: bytes  # the replica's: NONCE_BYTES random bytes, new for each connection
+    proof: bytes  # replica_proof(secret, the gateway's nonce, nonce, the replica's name)
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
-    proof: bytes  # hello_proof(secret, the connection's nonce, gateway)
+    proof: bytes  # hello_proof(secret, the replica's nonce, the gateway's nonce, gateway)
     gateway: str  # who connects, for the replica's logs
 
 
-def hello_proof(secret: bytes, nonce: bytes, gateway: str) -> bytes:
+def replica_proof(secret: bytes, gateway_nonce: bytes, replica_nonce: bytes,
+                  replica: str) -> bytes:
+    """What a replica shows for the application's secret on one connection: an HMAC-SHA256 of
+    both nonces and the name the gateway knows it by. Nonces are NONCE_BYTES long (`nonce`)."""
+    return hmac.digest(secret, b"tokenfab/channel/replica\0" + gateway_nonce + replica_nonce
+                       + replica.encode(), hashlib.sha256)
+
+
+def hello_proof(secret: bytes, replica_nonce: bytes, gateway_nonce: bytes, gateway: str) -> bytes:
     """What a gateway shows for the application's secret on one connection: an HMAC-SHA256 of
-    the replica's nonce and the gateway's name under it."""
-    return hmac.digest(secret, b"tokenfab/channel/hello\0" + nonce + gateway.encode(),
-                       hashlib.sha256)
+    both nonces and its name (under another label than the replica's: neither proof is the
+    other's)."""
+    return hmac.digest(secret, b"tokenfab/channel/hello\0" + replica_nonce + gateway_nonce
+                       + gateway.encode(), hashlib.sha256)
+
+
+def nonce(value: bytes) -> bytes:
+    """A peer's nonce, checked: exactly NONCE_BYTES (the proofs join nonces without separators)."""
+    if len(value) != NONCE_BYTES:
+        raise ProtocolError(f"a nonce of {len(value)} bytes")
+    return value
 
 
 class Request(msgspec.Struct, array_like=True, frozen=True):
@@ -124,7 +152,7 @@ encode = msgspec.msgpack.Encoder().encode
 _decoders = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in (
     (Kind.HELLO, Hello), (Kind.REQUEST, Request), (Kind.HELD, Held), (Kind.HEAD, Head),
     (Kind.END, Usage), (Kind.TOKENS, Tokens), (Kind.REFUSED, Refused), (Kind.FAILED, Failed),
-    (Kind.STATE, State), (Kind.CHALLENGE, Challenge))}
+    (Kind.STATE, State), (Kind.CHALLENGE, Challenge), (Kind.OPEN, Open))}
 
 
 class ProtocolError(Exception):

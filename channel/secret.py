@@ -1,7 +1,7 @@
-"""The key a gateway proves to a replica's channel (frames.hello_proof), and the other keys of
-an application (the cache-salt key of gateway.tenancy, the CURVE keys of the KV event relays):
-random, made once per application, kept in Ray's GCS key-value store, which only processes of
-the Ray cluster can read.
+"""The key gateways and replicas prove to each other on the data channel (frames.py), and the
+other keys of an application (the cache-salt key of gateway.tenancy, the CURVE keys of the KV
+event relays): random, made once per application, kept in Ray's GCS key-value store, which only
+processes of the Ray cluster can read.
 
 It never travels in a topology, a Serve config, a log or a label; it survives restarts of
 gateways and replicas (the GCS outlives them) and dies with the cluster.

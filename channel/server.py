@@ -1,5 +1,6 @@
-"""The replica's end of the channel: accepts gateways that prove the secret, runs each request as a
-task of the replica's event loop and writes its reply back as frames.
+"""The replica's end of the channel: proves the secret to each gateway that opens a connection and
+accepts those that prove it back (frames.py), runs each request as a task of the replica's event
+loop and writes its reply back as frames.
 
 Frames written by all streams of a connection during one turn of the event loop leave in one
 write: the engine answers every running request in the same step, so a step of N streams costs
@@ -82,12 +83,12 @@ class _Connection(asyncio.Protocol):
         self.gateway: str | None = None  # set by a valid HELLO
         self.held = 0
         self._nonce = secrets.token_bytes(frames.NONCE_BYTES)  # this connection's challenge
+        self._opened: bytes | None = None  # the gateway's nonce, from its OPEN
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._writer.transport = self._transport
         asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._close_if_anonymous)
-        self.send(Kind.CHALLENGE, 0, frames.encode(Challenge(self._nonce)))
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -105,11 +106,18 @@ class _Connection(asyncio.Protocol):
             self._transport.close()
 
     def _frame(self, kind: int, stream: int, payload: bytes) -> None:
-        if self.gateway is None:
+        if self._opened is None:
+            if kind != Kind.OPEN:
+                raise frames.ProtocolError("no OPEN first")
+            self._opened = frames.nonce(frames.decode(Kind.OPEN, payload).nonce)
+            server = self._server
+            proof = frames.replica_proof(server.secret, self._opened, self._nonce, server.name)
+            self.send(Kind.CHALLENGE, 0, frames.encode(Challenge(self._nonce, proof)))
+        elif self.gateway is None:
             hello = frames.decode(Kind.HELLO, payload) if kind == Kind.HELLO else None
             if hello is None or not hmac.compare_digest(
                     hello.proof, frames.hello_proof(self._server.secret, self._nonce,
-                                                    hello.gateway)):
+                                                    self._opened, hello.gateway)):
                 raise frames.ProtocolError("no valid HELLO")
             self.gateway = hello.gateway
             self._reader.max_payload = frames.MAX_PAYLOAD
@@ -160,10 +168,11 @@ class _Connection(asyncio.Protocol):
 
 
 class ChannelServer:
-    """Listens on one address for gateways; serves their requests with `handler`."""
+    """Listens on one address for gateways; serves their requests with `handler`. `name` is what
+    the gateways know the replica by (its proof names it: another replica cannot answer for it)."""
 
-    def __init__(self, secret: bytes, handler: Handler) -> None:
-        self.secret, self.handler = secret, handler
+    def __init__(self, secret: bytes, handler: Handler, name: str) -> None:
+        self.secret, self.handler, self.name = secret, handler, name
         self._connections: set[_Connection] = set()
         self._local: list[LocalLink] = []
         self._server: asyncio.Server | None = None

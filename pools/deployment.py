@@ -119,7 +119,8 @@ class PoolReplica:
         if spec.generate:
             await asyncio.to_thread(_ensure_generated_model, spec)
         await self._engine.start()
-        self._channel = ChannelServer(await asyncio.to_thread(channel_secret, settings.app), self)
+        self._channel = ChannelServer(await asyncio.to_thread(channel_secret, settings.app), self,
+                                      self._replica_id)
         port = await self._channel.start(self._node_ip)
         self._channel_address = f"{self._node_ip}:{port}"
         self._engine_start_s = time.time() - self._started

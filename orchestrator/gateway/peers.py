@@ -62,7 +62,7 @@ class IngressPeers:
                  directory: ReplicaDirectory) -> None:
         self._replica_id, self._secret, self._render = replica_id, secret, render
         self._directory = directory
-        self._server = ChannelServer(secret, _SeriesHandler(replica_id, render))
+        self._server = ChannelServer(secret, _SeriesHandler(replica_id, render), replica_id)
         self._announcer: asyncio.Task | None = None
         self.address = ""
 

@@ -53,7 +53,7 @@ class ScriptedReplica:
         self.received: list[Request] = []  # as they came, with their channel fields
         self.outcomes: list[str] = []
         self.in_flight = 0
-        self.server = ChannelServer(SECRET, self)
+        self.server = ChannelServer(SECRET, self, name)
         self.port = 0
 
     async def start(self) -> ScriptedReplica:

@@ -73,14 +73,14 @@ def test_a_whole_reply_and_a_stream_share_one_link() -> None:
     run(scenario())
 
 
-def test_wrong_secret_closes_the_connection() -> None:
+def test_a_gateway_with_another_secret_is_refused_at_connect() -> None:
     async def scenario() -> None:
-        replica = ScriptedReplica("r1", whole(200, {}))
-        link = await linked(replica, secret=b"x" * 32)
-        stream = link.open(request())
-        with pytest.raises(LinkLost):
-            await stream.head
+        replica = await ScriptedReplica("r1", whole(200, {})).start()
+        link = ReplicaLink("r1", "127.0.0.1", replica.port, b"x" * 32, "gw-1")
+        with pytest.raises(LinkLost, match="did not prove the secret"):
+            await link.connect()  # the replica's proof fails under the link's secret
         assert link.state == "closed" and replica.requests == []
+        await until(lambda: replica.server.gateways() == 0)
     run(scenario())
 
 
@@ -92,19 +92,35 @@ def test_a_peer_without_hello_cannot_make_the_replica_buffer_a_large_frame() -> 
         # the HELLO timeout while the peer trickles the payload in
         writer.write(frames.HEADER.pack(1 << 20, 1, Kind.REQUEST) + b"x" * 1024)
         await writer.drain()
-        said = await asyncio.wait_for(reader.read(), 2.0)  # its challenge, then it closed
-        assert [kind for kind, _, _ in FrameReader().feed(said)] == [Kind.CHALLENGE]
+        said = await asyncio.wait_for(reader.read(), 2.0)
+        assert said == b""  # closed, without a word: no OPEN, so no challenge either
         writer.close()
     run(scenario())
 
 
-async def _challenged(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    """A raw peer's connection and the nonce the replica challenged it with."""
+def test_a_replica_answers_only_an_open_with_a_whole_nonce() -> None:
+    async def scenario() -> None:
+        replica = await ScriptedReplica("r1", whole(200, {})).start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", replica.port)
+        writer.write(frames.frame(Kind.OPEN, 0, frames.encode(frames.Open(b"g" * 8))))
+        assert await asyncio.wait_for(reader.read(), 2.0) == b""  # closed, no challenge
+        writer.close()
+    run(scenario())
+
+
+async def _challenged(port: int, replica: str = "r1",
+                      gateway_nonce: bytes = b"g" * frames.NONCE_BYTES,
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A raw peer's connection, opened as a gateway opens one, and the replica's nonce (its
+    proof checked)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(frames.frame(Kind.OPEN, 0, frames.encode(frames.Open(gateway_nonce))))
     header = await asyncio.wait_for(reader.readexactly(frames.HEADER.size), 2.0)
     length, stream, kind = frames.HEADER.unpack(header)
     assert (stream, kind) == (0, Kind.CHALLENGE)
     challenge = frames.decode(Kind.CHALLENGE, await reader.readexactly(length))
+    assert len(challenge.nonce) == frames.NONCE_BYTES
+    assert challenge.proof == frames.replica_proof(SECRET, gateway_nonce, challenge.nonce, replica)
     return reader, writer, challenge.nonce
 
 
@@ -112,11 +128,10 @@ def test_a_gateway_proves_the_secret_without_sending_it_and_a_recorded_hello_ope
         ) -> None:
     async def scenario() -> None:
         replica = await ScriptedReplica("r1", whole(200, {"n": 1}), whole(200, {"n": 2})).start()
-        hellos = []
+        hellos, ours = [], b"g" * frames.NONCE_BYTES
         for _ in range(2):  # two connections: a new nonce each, proved with the secret
-            reader, writer, nonce = await _challenged(replica.port)
-            hello = frames.encode(Hello(frames.hello_proof(SECRET, nonce, "gw"), "gw"))
-            assert len(nonce) == frames.NONCE_BYTES
+            reader, writer, nonce = await _challenged(replica.port, gateway_nonce=ours)
+            hello = frames.encode(Hello(frames.hello_proof(SECRET, nonce, ours, "gw"), "gw"))
             writer.write(frames.frame(Kind.HELLO, 0, hello)
                          + frames.frame(Kind.REQUEST, 1, frames.encode(request())))
             kinds = [kind for kind, _, _ in FrameReader().feed(
@@ -125,8 +140,9 @@ def test_a_gateway_proves_the_secret_without_sending_it_and_a_recorded_hello_ope
             hellos.append((nonce, hello))
             writer.close()
         assert hellos[0][0] != hellos[1][0]
-        # a peer that recorded a HELLO replays it on a connection of its own: closed, unserved
-        reader, writer, _ = await _challenged(replica.port)
+        # a peer that recorded a HELLO replays it on a connection of its own, opened with the
+        # same gateway nonce: the replica's nonce is new, so the HELLO is refused, unserved
+        reader, writer, _ = await _challenged(replica.port, gateway_nonce=ours)
         writer.write(frames.frame(Kind.HELLO, 0, hellos[0][1])
                      + frames.frame(Kind.REQUEST, 1, frames.encode(request())))
         assert await asyncio.wait_for(reader.read(), 2.0) == b""
@@ -298,50 +314,78 @@ def test_a_local_link_serves_by_calls_as_a_socket_would() -> None:
     run(scenario())
 
 
-def test_a_peer_that_does_not_challenge_is_no_replica() -> None:
+def _rogue_challenge(said: str, gateway_nonce: bytes) -> bytes:
+    """What a peer that is not replica r1 answers a gateway's OPEN with."""
+    nonce = b"n" * frames.NONCE_BYTES
+    proof = {"another secret": frames.replica_proof(b"x" * 32, gateway_nonce, nonce, "r1"),
+             "another replica's proof": frames.replica_proof(SECRET, gateway_nonce, nonce, "r2"),
+             "another connection's proof": frames.replica_proof(SECRET, b"o" * 16, nonce, "r1"),
+             }.get(said)
+    if said == "a short nonce":
+        nonce = b"n" * 8
+        proof = frames.replica_proof(SECRET, gateway_nonce, nonce, "r1")
+    return frames.frame(Kind.CHALLENGE, 0, frames.encode(frames.Challenge(nonce, proof)))
+
+
+@pytest.mark.parametrize("said", ["nothing", "a frame before its challenge", "another secret",
+                                  "another replica's proof", "another connection's proof",
+                                  "a short nonce"])
+def test_a_peer_that_does_not_prove_it_is_the_replica_gets_nothing_but_the_open(said) -> None:
+    # a process that took a replica's address, or anyone answering for it, learns no prompt:
+    # the link fails at connect and sends no HELLO and no request
     async def scenario() -> None:
-        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        port = silent.sockets[0].getsockname()[1]
-        link = ReplicaLink("r1", "127.0.0.1", port, SECRET, "gw-1")
-        with pytest.raises(LinkLost):
-            await link.connect(timeout_s=0.3)
-        assert link.state == "closed"
-        silent.close()
-    run(scenario())
+        heard = asyncio.get_running_loop().create_future()
 
+        async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if said == "a frame before its challenge":
+                writer.write(frames.frame(Kind.STATE, 0, frames.encode(frames.State("ready"))))
+            header = await reader.readexactly(frames.HEADER.size)
+            opened = frames.decode(Kind.OPEN, await reader.readexactly(
+                frames.HEADER.unpack(header)[0]))
+            if said not in ("nothing", "a frame before its challenge"):
+                writer.write(_rogue_challenge(said, opened.nonce))
+            heard.set_result(await reader.read())  # all the link says after its OPEN
 
-def test_a_peer_that_speaks_before_its_challenge_is_no_replica() -> None:
-    async def scenario() -> None:
-        def speak(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            writer.write(frames.frame(Kind.STATE, 0, frames.encode(frames.State("ready"))))
-
-        rogue = await asyncio.start_server(speak, "127.0.0.1", 0)
+        rogue = await asyncio.start_server(peer, "127.0.0.1", 0)
         link = ReplicaLink("r1", "127.0.0.1", rogue.sockets[0].getsockname()[1], SECRET, "gw-1")
         with pytest.raises(LinkLost):
-            await link.connect(timeout_s=2.0)
+            await link.connect(timeout_s=0.5)
         assert link.state == "closed"
+        assert await asyncio.wait_for(heard, 2.0) == b""
+        with pytest.raises(LinkLost):
+            link.open(request())
         rogue.close()
     run(scenario())
 
 
 def test_the_links_hello_answers_the_challenge_and_carries_no_secret() -> None:
-    # what ReplicaLink puts on the wire, read by a peer that challenges it as a replica does
+    # what ReplicaLink puts on the wire, read by a peer that answers it as replica r1 does
     async def scenario() -> None:
         nonce, said = b"n" * frames.NONCE_BYTES, asyncio.get_running_loop().create_future()
 
-        async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            writer.write(frames.frame(Kind.CHALLENGE, 0, frames.encode(frames.Challenge(nonce))))
+        async def frame(reader: asyncio.StreamReader) -> tuple[int, bytes, bytes]:
             header = await reader.readexactly(frames.HEADER.size)
             length, _, kind = frames.HEADER.unpack(header)
-            said.set_result((kind, header + await reader.readexactly(length)))
+            payload = await reader.readexactly(length)
+            return kind, header + payload, payload
+
+        async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            kind, first, payload = await frame(reader)
+            assert kind == Kind.OPEN
+            theirs = frames.decode(Kind.OPEN, payload).nonce
+            proof = frames.replica_proof(SECRET, theirs, nonce, "r1")
+            writer.write(frames.frame(Kind.CHALLENGE, 0, frames.encode(
+                frames.Challenge(nonce, proof))))
+            kind, second, hello = await frame(reader)
+            said.set_result((theirs, kind, first + second, hello))
 
         server = await asyncio.start_server(replica, "127.0.0.1", 0)
         link = ReplicaLink("r1", "127.0.0.1", server.sockets[0].getsockname()[1], SECRET, "gw-1")
         await link.connect()
-        kind, wire = await asyncio.wait_for(said, 2.0)
-        hello = frames.decode(Kind.HELLO, wire[frames.HEADER.size:])
-        assert kind == Kind.HELLO and SECRET not in wire
-        assert hello == Hello(frames.hello_proof(SECRET, nonce, "gw-1"), "gw-1")
+        theirs, kind, wire, payload = await asyncio.wait_for(said, 2.0)
+        hello = frames.decode(Kind.HELLO, payload)
+        assert kind == Kind.HELLO and SECRET not in wire and len(theirs) == frames.NONCE_BYTES
+        assert hello == Hello(frames.hello_proof(SECRET, nonce, theirs, "gw-1"), "gw-1")
         link.close()
         server.close()
     run(scenario())
