@@ -52,6 +52,13 @@ def prioritise_client(nice: int) -> dict[str, Any]:
     return applied
 
 
+def waited_for_cpu_s() -> float:
+    """Seconds the calling thread (a client's event loop) has spent runnable but waiting for a
+    CPU (`/proc/thread-self/schedstat`, the scheduler's run delay): the difference over a replay
+    is how long the client was starved; its latencies are late by that much, not the system's."""
+    return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+
+
 def stray_processes() -> list[str]:
     """Serving processes (Ray, vLLM, routers) already on the machine: they would share the cores."""
     found = subprocess.run(["pgrep", "-af", "|".join(STRAY)], text=True, capture_output=True)
