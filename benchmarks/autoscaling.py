@@ -3,7 +3,8 @@
 One unified pool of the tiny model (at most 2 replicas on this machine) serves the same open-loop
 arrival pattern under:
 
-- autoscaler: tokenfab's policy, 1..2 replicas;
+- autoscaler: tokenfab's policy, 1..2 replicas, with its plan (`autoscaler.capacity_rps`,
+  `--capacity-rps`: the requests/s one replica serves within the SLO here);
 - static_min: 1 replica; static_max: 2 replicas;
 - ray_default: Ray Serve's own ongoing-requests autoscaling, 1..2 replicas, its default delays.
 
@@ -11,6 +12,10 @@ Requests are streamed (a 64-token prompt, 64 output tokens). A request meets the
 is at most --ttft-slo and its mean inter-token gap at most --itl-slo; failures miss it.
 Replica-seconds integrate the pool's running replicas (Serve's view, polled every second) over
 the run.
+
+The client runs in a scheduling group of its own at nice -10 (`machine.prioritise_client`, as
+h2h.py's), or the spinning engines starve it and its own delays count as the system's; each record
+says how long it still waited for a CPU (`client_waited_s`).
 
 Each engine gets `--engine-share` of a core (benchmarks/engine_share.py, a CPU cgroup quota), so
 a replica adds a fixed quantum of compute as an accelerator does and the front-ends keep the rest
@@ -41,6 +46,7 @@ from orchestrator import cluster, deploy
 from orchestrator.config import Topology, parse_topology
 from engine_share import EngineShare
 from harness import deployed, remove
+from machine import prioritise_client, waited_for_cpu_s
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 RESULTS = Path(__file__).parent / "results"
@@ -49,7 +55,7 @@ PROMPT_WORDS = 40
 OUTPUT_TOKENS = 64
 
 
-def topology(setup: str) -> Topology:
+def topology(setup: str, capacity_rps: float = 0.0) -> Topology:
     pool: dict[str, Any] = {"name": "main", "role": "unified", "max_ongoing_requests": 64,
                             "resources": {"cpus": 1, "kv_cache_bytes": "128MiB"}}
     autoscaler: dict[str, Any] = {"enabled": setup in ("autoscaler", "ray_default"),
@@ -57,6 +63,8 @@ def topology(setup: str) -> Topology:
                                   # one replica serves ~30 streams within the targets here
                                   "target_ongoing_requests": 32, "max_waiting_per_replica": 4,
                                   "downscale_delay_s": 20}
+    if setup == "autoscaler":
+        autoscaler |= {"capacity_rps": capacity_rps}
     if setup == "ray_default":
         autoscaler |= {"policy": "ray_requests", "target_ongoing_requests": 2}  # Serve's default
     pool |= {"replicas": 2 if setup == "static_max" else 1,
@@ -123,9 +131,12 @@ async def run(topology: Topology, root: str, times: list[float]) -> dict[str, An
         start = time.monotonic() + 1.0
         end = start + times[-1] + 1.0
         tracker = asyncio.create_task(_replicas(topology, end + 60, replicas))
+        waited = waited_for_cpu_s()
         await asyncio.gather(*(_one(client, i, start + t, requests) for i, t in enumerate(times)))
+        waited = waited_for_cpu_s() - waited
         tracker.cancel()
-    return {"start": start, "end": end, "requests": requests, "replicas": replicas}
+    return {"start": start, "end": end, "requests": requests, "replicas": replicas,
+            "client_waited_s": waited}
 
 
 def summarize(setup: str, load: dict[str, Any], ttft_slo: float, itl_slo: float) -> dict[str, Any]:
@@ -146,7 +157,8 @@ def summarize(setup: str, load: dict[str, Any], ttft_slo: float, itl_slo: float)
             "replica_seconds": round(seconds, 1), "requests": len(load["requests"]),
             "failed": sum(r["status"] != 200 for r in load["requests"]),
             "ttft_p50_s": round(q(ttfts, 50), 3), "ttft_p90_s": round(q(ttfts, 90), 3),
-            "itl_p90_s": round(q(itls, 90), 4), "max_replicas_seen": max(n for _, n in samples)}
+            "itl_p90_s": round(q(itls, 90), 4), "max_replicas_seen": max(n for _, n in samples),
+            "client_waited_s": round(load["client_waited_s"], 1)}
 
 
 def plot(loads: dict[str, dict[str, Any]], path: Path, phases: list[tuple[float, float]]) -> None:
@@ -188,15 +200,20 @@ def markdown(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"quiet / burst / quiet; each request a {PROMPT_WORDS}-word prompt and {OUTPUT_TOKENS} streamed tokens; SLO: TTFT <= "
         f"{args.ttft_slo:g} s and mean inter-token gap <= {args.itl_slo:g} s. Tiny model; each "
         f"engine capped at {args.engine_share:g} of a core (`--engine-share`, 0 = uncapped). "
+        f"autoscaler plans with `capacity_rps: {args.capacity_rps:g}` (requests/s per replica). "
+        f"The client runs in a scheduling group of its own at nice "
+        f"{args.scheduling['client_nice']} (`prioritise_client` in machine.py); client waited: "
+        "the seconds it was ready to run but waited for a CPU during the load. "
         f"Plot: {args.name}.png.", "",
         "| setup | SLO attainment | replica-seconds | requests | failed | TTFT p50 / p90 (s) | "
-        "ITL p90 (s) | max replicas |",
-        "|---|---|---|---|---|---|---|---|",
+        "ITL p90 (s) | max replicas | client waited (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(f"| {r['setup']} | {r['slo_attainment']:.3f} | {r['replica_seconds']:.0f} | "
                      f"{r['requests']} | {r['failed']} | {r['ttft_p50_s']:.2f} / "
-                     f"{r['ttft_p90_s']:.2f} | {r['itl_p90_s']:.3f} | {r['max_replicas_seen']} |")
+                     f"{r['ttft_p90_s']:.2f} | {r['itl_p90_s']:.3f} | {r['max_replicas_seen']} | "
+                     f"{r['client_waited_s']:.1f} |")
     by = {r["setup"]: r for r in records}
     if {"autoscaler", "static_max"} <= by.keys():
         a, m = by["autoscaler"], by["static_max"]
@@ -217,7 +234,13 @@ def main() -> None:
     parser.add_argument("--engine-share", type=float, default=0.15,
                         help="share of a core each engine may use (0: uncapped)")
     parser.add_argument("--name", default="autoscaler", help="results/<name>.{json,md,png}")
+    parser.add_argument("--capacity-rps", type=float, default=3.5,
+                        help="the autoscaler's plan: requests/s one replica serves within the SLO "
+                        "(3.5: static_max served 7 req/s on 2 replicas, all within it)")
+    parser.add_argument("--client-nice", type=int, default=-10,
+                        help="the client's scheduling priority (see machine.prioritise_client)")
     args = parser.parse_args()
+    args.scheduling = prioritise_client(args.client_nice)
     quiet, burst, after = (float(x) for x in args.phases.split(","))
     phases = [(quiet, args.quiet_rps), (burst, args.burst_rps), (after, args.quiet_rps)]
     times = arrivals(phases)
@@ -228,7 +251,7 @@ def main() -> None:
     try:
         with share:
             for setup in args.setups.split(","):
-                t = topology(setup)
+                t = topology(setup, args.capacity_rps)
                 print(f"{setup}: deploying")
                 root = deployed(t)
                 loads[setup] = asyncio.run(run(t, root, times))
@@ -238,7 +261,9 @@ def main() -> None:
     finally:
         cluster.stop_ray(topology("static_min").cluster.dashboard_url)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps({"records": records}, indent=2))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(
+        {"records": records, "capacity_rps": args.capacity_rps, "scheduling": args.scheduling},
+        indent=2))
     (RESULTS / f"{args.name}.md").write_text(markdown(records, args))
     plot(loads, RESULTS / f"{args.name}.png", phases)
     print(markdown(records, args))
