@@ -11,7 +11,7 @@ throughput against a plain memory copy of the same bytes.
 The client runs in a scheduling group of its own at nice -10 (`machine.prioritise_client`, as
 h2h.py's): the engines spin on the same 2 cores, and a client left in the shell's group waited
 for a CPU 22-34 s of a 60 s load, which showed as bursts of tokens, TTFT p90 of 0.35-0.59 s and
-output tokens/s 20-30% lower (against 2.3-2.6 s waited, TTFT p90 0.02 s, prioritised; P/D setup).
+output tokens/s 15-30% lower (against 2.3-2.6 s waited, TTFT p90 0.02 s, prioritised; P/D setup).
 Each record says how long the client waited (`client_waited_s`).
 
 Writes benchmarks/results/pd.json, pd.md and pd_itl.png. Needs the `bench` extra (matplotlib).

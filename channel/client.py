@@ -93,7 +93,7 @@ class ReplicaLink(asyncio.Protocol):
         self._ids = itertools.count(1)
         self._writer = frames.FrameWriter()
         self._challenge: asyncio.Future[bytes] | None = None  # the replica's nonce, at connect
-        self._nonce = secrets.token_bytes(frames.NONCE_BYTES)  # this connection's, in OPEN
+        self._nonce = b""  # this connection's, in OPEN (drawn by connect)
         self.on_state: Callable[[ReplicaLink], None] | None = None
 
     @property
@@ -108,7 +108,10 @@ class ReplicaLink(asyncio.Protocol):
         """Connect, check the replica's proof of the secret and give the gateway's (frames.py);
         LinkLost if the replica cannot be reached, does not prove the secret under its name, or
         does not answer within `timeout_s`. Nothing is sent to a peer that failed its proof."""
+        if self.state != "new":
+            raise LinkLost(f"replica {self.replica} link is {self.state}: a link connects once")
         self.state = "connecting"
+        self._nonce = secrets.token_bytes(frames.NONCE_BYTES)
         loop = asyncio.get_running_loop()
         self._challenge = loop.create_future()
         try:
@@ -175,6 +178,7 @@ class ReplicaLink(asyncio.Protocol):
             if kind != Kind.CHALLENGE:
                 raise frames.ProtocolError("no challenge first")
             said = frames.decode(Kind.CHALLENGE, payload)
+            frames.same_version(said, "replica")
             nonce = frames.nonce(said.nonce)
             if not hmac.compare_digest(said.proof, frames.replica_proof(
                     self._secret, self._nonce, nonce, self.replica)):

@@ -42,6 +42,7 @@ MAX_PAYLOAD = 64 << 20  # a frame larger than this is a protocol error (request 
 MAX_HELLO_PAYLOAD = 4096  # before a peer proves the secret: HELLO is well under this
 SECRET_BYTES = 32
 NONCE_BYTES = 16
+VERSION = 2  # of the handshake: a gateway and a replica of different versions do not talk
 
 
 class Kind(IntEnum):
@@ -63,11 +64,13 @@ class Kind(IntEnum):
 
 class Open(msgspec.Struct, array_like=True, frozen=True):
     nonce: bytes  # the gateway's: NONCE_BYTES random bytes, new for each connection
+    version: int = VERSION
 
 
 class Challenge(msgspec.Struct, array_like=True, frozen=True):
     nonce: bytes  # the replica's: NONCE_BYTES random bytes, new for each connection
     proof: bytes  # replica_proof(secret, the gateway's nonce, nonce, the replica's name)
+    version: int = VERSION
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
@@ -89,6 +92,13 @@ def hello_proof(secret: bytes, replica_nonce: bytes, gateway_nonce: bytes, gatew
     other's)."""
     return hmac.digest(secret, b"tokenfab/channel/hello\0" + replica_nonce + gateway_nonce
                        + gateway.encode(), hashlib.sha256)
+
+
+def same_version(said: Open | Challenge, peer: str) -> None:
+    """A peer of another handshake version (another tokenfab release) is refused by name: both
+    ends of a channel run one release (redeploy the application to upgrade it)."""
+    if said.version != VERSION:
+        raise ProtocolError(f"the {peer} speaks channel version {said.version}, this end {VERSION}")
 
 
 def nonce(value: bytes) -> bytes:

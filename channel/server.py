@@ -109,7 +109,9 @@ class _Connection(asyncio.Protocol):
         if self._opened is None:
             if kind != Kind.OPEN:
                 raise frames.ProtocolError("no OPEN first")
-            self._opened = frames.nonce(frames.decode(Kind.OPEN, payload).nonce)
+            opened = frames.decode(Kind.OPEN, payload)
+            frames.same_version(opened, "gateway")
+            self._opened = frames.nonce(opened.nonce)
             server = self._server
             proof = frames.replica_proof(server.secret, self._opened, self._nonce, server.name)
             self.send(Kind.CHALLENGE, 0, frames.encode(Challenge(self._nonce, proof)))

@@ -55,6 +55,11 @@ class _SeriesHandler:
         pass
 
 
+def ingress_name(replica_id: str) -> str:
+    """What an ingress replica's series channel proves itself as (frames.replica_proof)."""
+    return f"ingress/{replica_id}"
+
+
 class IngressPeers:
     """This ingress replica's part of the shared `/metrics`. Runs on the ingress's event loop."""
 
@@ -62,7 +67,10 @@ class IngressPeers:
                  directory: ReplicaDirectory) -> None:
         self._replica_id, self._secret, self._render = replica_id, secret, render
         self._directory = directory
-        self._server = ChannelServer(secret, _SeriesHandler(replica_id, render), replica_id)
+        # named apart from a pool channel of the same replica (colocated): neither answers for
+        # the other
+        self._server = ChannelServer(secret, _SeriesHandler(replica_id, render),
+                                     ingress_name(replica_id))
         self._announcer: asyncio.Task | None = None
         self.address = ""
 
@@ -100,7 +108,8 @@ class IngressPeers:
 
     async def _fetch(self, peer: IngressReport, timeout_s: float) -> bytes:
         host, port = peer.channel.rsplit(":", 1)
-        link = ReplicaLink(peer.replica_id, host, int(port), self._secret, self._replica_id)
+        link = ReplicaLink(ingress_name(peer.replica_id), host, int(port), self._secret,
+                           self._replica_id)
         try:
             await link.connect(timeout_s)
             stream = link.open(Request(SERIES, b""))

@@ -79,8 +79,43 @@ def test_a_gateway_with_another_secret_is_refused_at_connect() -> None:
         link = ReplicaLink("r1", "127.0.0.1", replica.port, b"x" * 32, "gw-1")
         with pytest.raises(LinkLost, match="did not prove the secret"):
             await link.connect()  # the replica's proof fails under the link's secret
-        assert link.state == "closed" and replica.requests == []
-        await until(lambda: replica.server.gateways() == 0)
+        assert link.state == "closed"
+        with pytest.raises(LinkLost, match="connects once"):
+            await link.connect()  # a link's nonce is one connection's
+    run(scenario())
+
+
+@pytest.mark.parametrize("peer", ["a HELLO before its OPEN", "a request before its HELLO",
+                                  "another secret", "the HELLO of another OPEN", "a second OPEN",
+                                  "an older version"])
+def test_a_peer_that_does_not_prove_the_secret_is_never_served(peer) -> None:
+    # what reaches the replica from someone who is not a gateway of its application: it says at
+    # most its challenge, closes, and serves nothing
+    async def scenario() -> None:
+        replica = await ScriptedReplica("r1", whole(200, {})).start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", replica.port)
+        ours, other = b"g" * frames.NONCE_BYTES, b"o" * frames.NONCE_BYTES
+        ask = frames.frame(Kind.REQUEST, 1, frames.encode(request()))
+        if peer == "a HELLO before its OPEN":
+            writer.write(frames.frame(Kind.HELLO, 0, frames.encode(Hello(b"p" * 32, "gw"))) + ask)
+        else:
+            version = frames.VERSION - 1 if peer == "an older version" else frames.VERSION
+            writer.write(frames.frame(Kind.OPEN, 0, frames.encode(frames.Open(ours, version))))
+        if peer not in ("a HELLO before its OPEN", "an older version"):
+            header = await asyncio.wait_for(reader.readexactly(frames.HEADER.size), 2.0)
+            length, _, kind = frames.HEADER.unpack(header)
+            assert kind == Kind.CHALLENGE
+            nonce = frames.decode(Kind.CHALLENGE, await reader.readexactly(length)).nonce
+            secret = b"x" * 32 if peer == "another secret" else SECRET
+            proved = other if peer == "the HELLO of another OPEN" else ours
+            hello = frames.frame(Kind.HELLO, 0, frames.encode(
+                Hello(frames.hello_proof(secret, nonce, proved, "gw"), "gw")))
+            writer.write({"a request before its HELLO": ask,
+                          "a second OPEN": frames.frame(Kind.OPEN, 0, frames.encode(
+                              frames.Open(other)))}.get(peer, hello + ask))
+        assert await asyncio.wait_for(reader.read(), 2.0) == b""  # closed: nothing more said
+        assert replica.requests == [] and replica.server.gateways() == 0
+        writer.close()
     run(scenario())
 
 
@@ -321,15 +356,16 @@ def _rogue_challenge(said: str, gateway_nonce: bytes) -> bytes:
              "another replica's proof": frames.replica_proof(SECRET, gateway_nonce, nonce, "r2"),
              "another connection's proof": frames.replica_proof(SECRET, b"o" * 16, nonce, "r1"),
              }.get(said)
-    if said == "a short nonce":
-        nonce = b"n" * 8
+    version = frames.VERSION + 1 if said == "a newer version" else frames.VERSION
+    if said in ("a short nonce", "a newer version"):
+        nonce = b"n" * (8 if said == "a short nonce" else frames.NONCE_BYTES)
         proof = frames.replica_proof(SECRET, gateway_nonce, nonce, "r1")
-    return frames.frame(Kind.CHALLENGE, 0, frames.encode(frames.Challenge(nonce, proof)))
+    return frames.frame(Kind.CHALLENGE, 0, frames.encode(frames.Challenge(nonce, proof, version)))
 
 
 @pytest.mark.parametrize("said", ["nothing", "a frame before its challenge", "another secret",
                                   "another replica's proof", "another connection's proof",
-                                  "a short nonce"])
+                                  "a short nonce", "a newer version"])
 def test_a_peer_that_does_not_prove_it_is_the_replica_gets_nothing_but_the_open(said) -> None:
     # a process that took a replica's address, or anyone answering for it, learns no prompt:
     # the link fails at connect and sends no HELLO and no request
