@@ -318,7 +318,10 @@ def test_a_connection_taken_from_a_closing_listeners_queue_gets_the_first_reques
         silent = socket.create_connection(("127.0.0.1", port))  # queued, not yet accepted
         silent.setblocking(False)
         server.close()
-        await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 2.0
+        while not server.connections:  # taken from the queue by the closing listener
+            assert time.monotonic() < deadline, "the queued connection was not taken"
+            await asyncio.sleep(0.01)
         assert len(server.connections) == 1 and server.waiting() == 1
         started = time.monotonic()
         assert await asyncio.wait_for(_answer(silent), FIRST_REQUEST_GRACE_S + 2) == b""
