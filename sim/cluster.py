@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from router.events import BlockRemoved, BlockStored, KVEventBatch
+from router.events import NO_TOKENS, BlockRemoved, BlockStored, KVEventBatch
 from router.index import ReplicaId
 from router.policies import build_policy
 from router.service import RoutingService
@@ -221,7 +221,7 @@ def _events(events: list[tuple[bool, int]]) -> list[BlockStored | BlockRemoved]:
     for k, (stored, block) in enumerate(events):
         run.append(block)
         if k + 1 == len(events) or events[k + 1][0] != stored:
-            out.append(BlockStored(run, None, [], 0, None, None, None) if stored
+            out.append(BlockStored(run, None, NO_TOKENS, 0, None, None, None) if stored
                        else BlockRemoved(run, None))
             run = []
     return out

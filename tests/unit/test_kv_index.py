@@ -7,14 +7,15 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from router.events import (NO_TOKENS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+                           decode_batch)
 from router.index import KVBlockIndex, ReplicaId
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 
 
 def stored(*hashes: int, medium: str = "GPU") -> BlockStored:
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=NO_TOKENS,
                        block_size=16, lora_id=None, medium=medium, lora_name=None)
 
 
@@ -28,10 +29,18 @@ def test_decodes_vllm_encoded_batches_exactly() -> None:
         vllm_events.BlockRemoved(block_hashes=[7], medium="GPU"),
         vllm_events.AllBlocksCleared(),
     ])
-    decoded = decode_batch(msgspec.msgpack.encode(original))
-    assert msgspec.to_builtins(decoded) == msgspec.to_builtins(original)
+    encoded = msgspec.msgpack.encode(original)
+    decoded = decode_batch(encoded)
+    assert msgspec.msgpack.encode(decoded) == encoded  # every field, in vLLM's order
     assert [type(e).__name__ for e in decoded.events] == [
         "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    stored = decoded.events[0]
+    assert (stored.block_hashes, stored.parent_block_hash, stored.medium) == (
+        [b"\x01" * 32, 7], b"\x00" * 32, "GPU")
+    # the tokens and extra keys stay encoded: the router does not read them
+    assert msgspec.msgpack.decode(stored.token_ids) == [1, 2, 3]
+    assert msgspec.msgpack.decode(stored.extra_keys) == [["salt"], None]
+    assert decoded.events[1].block_hashes == [7] and decoded.data_parallel_rank == 1
 
 
 def test_apply_in_order_and_lookup() -> None:

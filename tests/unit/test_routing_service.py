@@ -241,7 +241,7 @@ def test_a_large_pool_scores_a_shortlist_and_still_offers_every_replica() -> Non
     """Past max_candidates the holder of the request's prefix is still found (the longest
     holders are on the shortlist) and every replica is in the answer, the unscored ones as
     fallbacks."""
-    from router.events import BlockStored, KVEventBatch
+    from router.events import NO_TOKENS, BlockStored, KVEventBatch
 
     pool = [ReplicaId(f"r{i}") for i in range(32)]
     policy = build_policy("kv_aware", max_candidates=4, rng=random.Random(0))
@@ -250,7 +250,7 @@ def test_a_large_pool_scores_a_shortlist_and_still_offers_every_replica() -> Non
                           for r in pool])
     holder = pool[17]
     service.apply_events(holder, KVEventBatch(0.0, [BlockStored(
-        block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=[], block_size=BLOCK,
+        block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=NO_TOKENS, block_size=BLOCK,
         lora_id=None, medium="GPU", lora_name=None)]))
     for i in range(20):
         ranked = service.rank(RouteKey(f"q{i}", 64, BLOCK, [1, 2, 3, 4]), pool)
@@ -261,7 +261,7 @@ def test_a_large_pool_scores_a_shortlist_and_still_offers_every_replica() -> Non
 
 
 def test_unscored_fallbacks_come_before_replicas_the_overload_filter_dropped() -> None:
-    from router.events import BlockStored, KVEventBatch
+    from router.events import NO_TOKENS, BlockStored, KVEventBatch
 
     pool = [ReplicaId(f"r{i}") for i in range(8)]
     policy = build_policy("kv_aware", max_candidates=4, max_in_flight=1, rng=random.Random(0))
@@ -269,7 +269,7 @@ def test_unscored_fallbacks_come_before_replicas_the_overload_filter_dropped() -
     service.set_replicas([ReplicaView(replica=r, pool="main", block_size=BLOCK, kv_blocks=100)
                           for r in pool])
     service.apply_events(pool[0], KVEventBatch(0.0, [BlockStored(
-        block_hashes=[1, 2], parent_block_hash=None, token_ids=[], block_size=BLOCK,
+        block_hashes=[1, 2], parent_block_hash=None, token_ids=NO_TOKENS, block_size=BLOCK,
         lora_id=None, medium="GPU", lora_name=None)]))
     assert service.rank(RouteKey("q0", 64, BLOCK, [1, 2, 3]), pool)[0] == pool[0]
     ranked = service.rank(RouteKey("q1", 64, BLOCK, [1, 2, 3]), pool)  # pool[0] is at 1 now
@@ -280,7 +280,7 @@ def test_cached_tokens_count_a_replica_the_request_can_go_to() -> None:
     """What decode holds, for the P/D gateway's skip: the block map's longest prefix on a
     replica the policy could choose now (not one its overload filter or breaker drops), less the
     last token's block of a prompt held whole; None without events."""
-    from router.events import BlockRemoved, BlockStored, KVEventBatch
+    from router.events import NO_TOKENS, BlockRemoved, BlockStored, KVEventBatch
 
     a, b, c = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
     policy = build_policy("kv_aware", max_in_flight=2, rng=random.Random(0))
@@ -289,7 +289,7 @@ def test_cached_tokens_count_a_replica_the_request_can_go_to() -> None:
                           for r in (a, b, c)])
     for replica, hashes in ((a, [1, 2, 3, 4]), (b, [1, 2])):
         service.apply_events(replica, KVEventBatch(0.0, [BlockStored(
-            block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=BLOCK,
+            block_hashes=hashes, parent_block_hash=None, token_ids=NO_TOKENS, block_size=BLOCK,
             lora_id=None, medium="GPU", lora_name=None)]))
     key = RouteKey("q", 4 * BLOCK, BLOCK, [1, 2, 3, 4])
     assert service.cached_tokens(key) == 3 * BLOCK  # all of it on a; its last block recomputed
