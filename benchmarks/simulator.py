@@ -30,7 +30,7 @@ from typing import Any
 
 from sim import params as profiles
 from sim import workload
-from sim.run import replay
+from sim.run import MakeReplay, replay
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -57,8 +57,9 @@ def bound_hit_rate(requests: list, block_size: int) -> float:
     return hits / total if total else 0.0
 
 
-def run_scale(params: profiles.EngineParams, rows: list[dict[str, Any]], replicas: int,
-              args: argparse.Namespace) -> list[dict[str, Any]]:
+def scale_workload(params: profiles.EngineParams, rows: list[dict[str, Any]], replicas: int,
+                   args: argparse.Namespace) -> tuple[MakeReplay, int, float]:
+    """The requests of one scale (`make`), the trace's copies in it, and their rate (req/s)."""
     copies = max(1, math.ceil(replicas * args.requests_per_replica / len(rows)))
     tiled = workload.tile(rows, copies, seed=args.seed)
     rate = args.rate_per_replica * replicas
@@ -69,6 +70,12 @@ def run_scale(params: profiles.EngineParams, rows: list[dict[str, Any]], replica
             max_prompt_tokens=params.max_model_len - args.max_output_tokens, start=start,
             output_tokens=lambda row: max(1, min(args.max_output_tokens, row["output_length"])))
 
+    return make, copies, rate
+
+
+def run_scale(params: profiles.EngineParams, rows: list[dict[str, Any]], replicas: int,
+              args: argparse.Namespace) -> list[dict[str, Any]]:
+    make, copies, rate = scale_workload(params, rows, replicas, args)
     bound = bound_hit_rate(make(0, 0.0), params.block_size)
     out = []
     for policy in args.policies.split(","):

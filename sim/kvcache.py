@@ -23,6 +23,7 @@ class BlockPool:
         self._block_of: dict[int, int] = {}  # hash -> block
         self._refs: dict[int, int] = {}
         self._events: list[tuple[bool, int]] = []  # (stored, hash), in the order they happened
+        self.allocated = 0  # blocks taken for new data, ever (each one block's life in the cache)
 
     @property
     def free_blocks(self) -> int:
@@ -61,6 +62,7 @@ class BlockPool:
         None, taking nothing, when fewer are free."""
         if count > len(self._free):
             return None
+        self.allocated += count
         blocks = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)

@@ -65,6 +65,7 @@ def test_block_pool_evicts_in_vllms_order() -> None:
     pool.touch([0])  # a hit takes it out of the queue: 1 is next
     assert pool.allocate(1) == [1] and pool.take_events() == [(False, 12)]
     assert pool.allocate(1) is None and pool.free_blocks == 0
+    assert pool.allocated == 7  # each block taken for new data, once per take
 
 
 def test_prefix_hit_computes_only_the_rest_and_events_carry_the_blocks() -> None:
