@@ -114,7 +114,12 @@ class SimCluster:
         return None
 
     def _leave_if_idle(self, replica: SimReplica) -> None:
-        if replica.state == "draining" and replica.engine.load() == 0:
+        """A draining replica with nothing left leaves: nothing on its engine, nor sent there
+        and on its way (the request overhead). Once: requests that end in the same step each
+        ask."""
+        if replica.state == "draining" and replica.engine.load() == 0 \
+                and self.service.in_flight(replica.name) == 0 \
+                and self.replicas.get(replica.name) is replica:
             del self.replicas[replica.name]
 
     def ready_replicas(self) -> list[ReplicaId]:

@@ -27,6 +27,7 @@ from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.params import EngineParams
+from sim.pd import PREFILL, SimPDCluster
 
 MakeLoad = Callable[[float, float], list[SimRequest]]  # (requests/s, seconds) -> requests
 
@@ -53,11 +54,43 @@ def measure(params: EngineParams, make: MakeLoad, rate_per_replica: float, repli
     sim = SimCluster(loop, params, policy, replicas, max_ongoing_requests=max_ongoing_requests)
     requests = make(rate_per_replica * replicas, seconds)
     sim.submit(requests)
+    signals = _watch(loop, sim, replicas, seconds)
+    loop.run()
+    done = [r for r in requests if r.first_token is not None and r.finished is not None]
+    in_flight = sum(r.finished - r.arrival for r in done) / seconds / replicas
+    return _point(rate_per_replica, signals, requests, in_flight)
+
+
+def measure_pd(params: EngineParams, make: MakeLoad, rate_per_replica: float, role: str,
+               replicas: int, other: int, seconds: float, policy: str = "kv_aware",
+               max_ongoing_requests: int = 64, **pd: float) -> Point:
+    """One pool of a disaggregated pair (`role`, `replicas` of it) beside `other` replicas of
+    the other pool, offered `rate_per_replica` x `replicas` requests/s. The point's rate and
+    requests in flight are the pool's own (its engines' arrivals; from each of its requests'
+    arrival at an engine to its end), its signals its own replicas'; the requests' latencies
+    are end to end."""
+    loop = EventLoop()
+    prefill, decode = (replicas, other) if role == PREFILL else (other, replicas)
+    sim = SimPDCluster(loop, params, policy, prefill, decode,
+                       max_ongoing_requests=max_ongoing_requests, **pd)
+    pool = sim.prefill if role == PREFILL else sim.decode
+    requests = make(rate_per_replica * replicas, seconds)
+    sim.submit(requests)
+    signals = _watch(loop, pool, replicas, seconds)
+    loop.run()
+    arrivals = sum(r.engine.arrivals for r in pool.replicas.values())
+    in_flight = sum(r.finished - r.engine_arrival for r in pool.finished) / seconds / replicas
+    return _point(arrivals / seconds / replicas, signals, requests, in_flight)
+
+
+def _watch(loop: EventLoop, pool: SimCluster, replicas: int,
+           seconds: float) -> list[PoolSignals]:
+    """The pool's signals every second until `seconds`, as the autoscaler would read them."""
     seen: list[PoolSignals] = []
 
     def tick() -> None:
         per_metric: dict[str, dict[str, float]] = {}
-        for name, replica in sim.replicas.items():
+        for name, replica in pool.replicas.items():
             report = msgspec.structs.asdict(replica_signals(replica.engine, loop.now, 0))
             for metric, value in report.items():
                 per_metric.setdefault(metric, {})[name] = value
@@ -66,13 +99,17 @@ def measure(params: EngineParams, make: MakeLoad, rate_per_replica: float, repli
             loop.after(1.0, tick)
 
     loop.after(1.0, tick)
-    loop.run()
+    return seen
+
+
+def _point(rate_per_replica: float, signals: list[PoolSignals], requests: list[SimRequest],
+           in_flight: float) -> Point:
     done = [r for r in requests if r.first_token is not None and r.finished is not None]
     ttft = [r.first_token - r.arrival for r in done]
     itl = [r.itl_sum_s / r.itl_count for r in done if r.itl_count]
-    in_flight = sum(r.finished - r.arrival for r in done) / seconds / replicas
-    return Point(rate_per_replica, _p90([s.ttft_p90_s for s in seen]),
-                 _p90([s.itl_p90_s for s in seen]), _p90(ttft), _p90(itl), in_flight, len(done))
+    return Point(rate_per_replica, _p90([s.ttft_p90_s for s in signals]),
+                 _p90([s.itl_p90_s for s in signals]), _p90(ttft), _p90(itl), in_flight,
+                 len(done))
 
 
 def capacity(points: Sequence[Point], ttft_p90_s: float, itl_p90_s: float) -> Capacity:
@@ -90,10 +127,28 @@ def sweep(params: EngineParams, make: MakeLoad, rates: Sequence[float], ttft_p90
           itl_p90_s: float, replicas: int = 4, seconds: float = 300.0,
           policy: str = "kv_aware", max_ongoing_requests: int = 64) -> Capacity:
     """Measure each rate per replica in turn, stopping after the first that misses a target."""
+    return _sweep(lambda rate: measure(params, make, rate, replicas, seconds, policy,
+                                       max_ongoing_requests), rates, ttft_p90_s, itl_p90_s)
+
+
+def sweep_pd(params: EngineParams, make: MakeLoad, rates: Sequence[float], ttft_p90_s: float,
+             itl_p90_s: float, role: str, replicas: int = 4, other: int = 16,
+             seconds: float = 300.0, policy: str = "kv_aware", max_ongoing_requests: int = 64,
+             **pd: float) -> Capacity:
+    """`sweep` for one pool of a disaggregated pair, the other pool `other` replicas strong (so
+    that it is not what limits the point): `rates` are offered requests/s per replica of the
+    pool; the capacity is in the pool's own arrivals (a prefill pool gets only the prompts
+    that take a prefill leg)."""
+    return _sweep(lambda rate: measure_pd(params, make, rate, role, replicas, other, seconds,
+                                          policy, max_ongoing_requests, **pd),
+                  rates, ttft_p90_s, itl_p90_s)
+
+
+def _sweep(measure_at: Callable[[float], Point], rates: Sequence[float], ttft_p90_s: float,
+           itl_p90_s: float) -> Capacity:
     points = []
     for rate in sorted(rates):
-        points.append(measure(params, make, rate, replicas, seconds, policy,
-                              max_ongoing_requests))
+        points.append(measure_at(rate))
         if points[-1].ttft_p90_s > ttft_p90_s or points[-1].itl_p90_s > itl_p90_s:
             break
     return capacity(points, ttft_p90_s, itl_p90_s)

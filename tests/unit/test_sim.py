@@ -186,6 +186,19 @@ def test_held_requests_wait_for_room_and_scaled_replicas_start_late() -> None:
     assert sim.replicas[added].state == "ready"
 
 
+@pytest.mark.parametrize("drain_at", [0.001, 0.01])  # before and after they reach the engine
+def test_a_draining_replica_leaves_once_when_its_last_requests_end_together(
+        drain_at: float) -> None:
+    loop, left = EventLoop(), []
+    sim = SimCluster(loop, PARAMS, "round_robin", 1)
+    sim.submit([request("a", 0.0, 8, [], 3), request("b", 0.0, 8, [], 2)])  # b joins a step late
+    loop.at(drain_at, sim.drain_replica)
+    loop.at(0.05, lambda: left.append(sim.replicas == {}))  # PARAMS.request_overhead_s is 2 ms
+    loop.run()
+    assert [r.finished for r in sim.finished] == [sim.finished[0].finished] * 2
+    assert left == [False] and sim.replicas == {}
+
+
 def test_profiles_load_and_name_what_is_wrong(tmp_path) -> None:
     assert load("h100-llama-3.1-8b").block_size == 16
     with pytest.raises(ValueError, match="no such file"):
@@ -274,6 +287,33 @@ def test_profiled_latency_and_load_grow_with_the_rate() -> None:
 # -- prefill and decode pools ---------------------------------------------------------------
 
 PD_PARAMS = msgspec.structs.replace(PARAMS, kv_bytes_per_token=1000)  # 1 ms a token at 1 MB/s
+
+
+def test_a_disaggregated_pool_is_profiled_on_its_own_arrivals() -> None:
+    """sim.profile.sweep_pd: half the prompts are too short for a prefill leg, so the prefill
+    pool gets half the requests offered per replica, decode all of them; each pool's capacity
+    is in its own arrivals, its load in its own requests."""
+    from sim.profile import sweep_pd
+
+    params = PD_PARAMS.with_kv_blocks(512)
+
+    def make(rate: float, seconds: float) -> list[SimRequest]:
+        rng = random.Random(1)
+        at, out = 0.0, []
+        while (at := at + rng.expovariate(rate)) < seconds:
+            out.append(request(f"q{len(out)}", at, 40 if len(out) % 2 else 8, [], 4))
+        return out
+
+    pd = {"transfer_bytes_per_s": 1e6, "min_prompt_tokens": 16}
+    prefill = sweep_pd(params, make, [1.0, 2.0], 1.0, 0.1, "prefill", replicas=2, other=2,
+                       seconds=120.0, **pd)
+    decode = sweep_pd(params, make, [1.0, 2.0], 1.0, 0.1, "decode", replicas=2, other=2,
+                      seconds=120.0, **pd)
+    assert [p.rate_per_replica for p in prefill.points] == pytest.approx([0.5, 1.0], rel=0.15)
+    assert [p.rate_per_replica for p in decode.points] == pytest.approx([1.0, 2.0], rel=0.15)
+    assert prefill.rate_per_replica == prefill.points[-1].rate_per_replica  # within targets
+    # a prefill leg's stay (its one token) is shorter than a decode leg's pull and 4 tokens
+    assert 0 < prefill.points[0].ongoing_per_replica < decode.points[0].ongoing_per_replica
 
 
 def test_decode_leg_pulls_its_prompt_then_recomputes_the_last_token() -> None:
