@@ -11,8 +11,12 @@ pulls timed by bytes over --transfer-gb-s). Setups:
   run, as sim_autoscaling.py does), --min..--max replicas;
 - pd_autoscaler: a prefill pool and a decode pool, each with tokenfab's policy for its role (a
   prefill pool reads its engines' TTFT and prompt backlog, a decode pool their inter-token
-  latency; Serve runs one policy per deployment), without a plan (no capacity is profiled per
-  role), each from --pd-min replicas up to the --pd-max bound;
+  latency; Serve runs one policy per deployment), each from --pd-min replicas up to the
+  --pd-max bound, each with a plan: its capacity in its own arrivals (a prefill pool gets only
+  the prompts that take a prefill leg) profiled first, in this run, by `sim.profile.sweep_pd`
+  on 4 replicas of the pool beside 16 of the other, so each pool is sized for what its role
+  needs of the workload (the ratio follows);
+- pd_reactive: the same pools and policies without a plan (no capacity per role);
 - pd_static: the --pd-static split all the time;
 - unified_static: --max replicas all the time.
 
@@ -42,10 +46,12 @@ from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.pd import SimPDCluster
-from sim.profile import Capacity
+from sim.profile import Capacity, sweep_pd
+from autoscaling import arrivals
 from sim_autoscaling import add_arguments, mark_phases, outcome, prepare, requests, save, windows
 
-SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_static", "unified_static"]
+SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_reactive", "pd_static", "unified_static"]
+ROLES = ("prefill", "decode")
 
 
 def _split(value: str) -> tuple[int, int]:
@@ -66,8 +72,26 @@ def _policy(role: str, low: int, high: int, args: argparse.Namespace,
                       capacity_rps=capacity.rate_per_replica if capacity else 0.0)
 
 
+def profile_pd(params: profiles.EngineParams, rows: list[dict[str, Any]],
+               args: argparse.Namespace) -> dict[str, Capacity]:
+    """Each pool's capacity on this workload, in its own arrivals (sim.profile.sweep_pd)."""
+    def make(rate: float, seconds: float) -> list[SimRequest]:
+        return requests(params, rows, arrivals([(seconds, rate)], args.seed + 1),
+                        args.max_output_tokens)
+
+    rates = {"prefill": [0.25 * i for i in range(1, 17)],
+             "decode": [0.5 * i for i in range(1, 13)]}
+    return {role: sweep_pd(params, make, rates[role], args.ttft_slo, args.itl_slo, role,
+                           replicas=4, other=16, seconds=240.0,
+                           max_ongoing_requests=args.max_ongoing,
+                           transfer_bytes_per_s=args.transfer_gb_s * 1e9,
+                           transfer_latency_s=args.transfer_latency_ms / 1e3)
+            for role in ROLES}
+
+
 def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: float,
-        args: argparse.Namespace, capacity: Capacity) -> dict[str, Any]:
+        args: argparse.Namespace, capacity: Capacity,
+        pd_capacity: dict[str, Capacity]) -> dict[str, Any]:
     loop = EventLoop()
     scalers: dict[str, SimAutoscaler] = {}
     until = end + 60.0
@@ -86,9 +110,10 @@ def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: 
                            transfer_latency_s=args.transfer_latency_ms / 1e3,
                            max_ongoing_requests=args.max_ongoing)
         sim.submit(reqs)
-        for index, (role, pool) in enumerate((("prefill", sim.prefill), ("decode", sim.decode))):
-            policy = _policy(role, low[index], high[index], args, None) \
-                if setup == "pd_autoscaler" else _still
+        for index, (role, pool) in enumerate(zip(ROLES, (sim.prefill, sim.decode))):
+            plan = pd_capacity[role] if setup == "pd_autoscaler" else None
+            policy = _policy(role, low[index], high[index], args, plan) \
+                if setup in ("pd_autoscaler", "pd_reactive") else _still
             scalers[role] = SimAutoscaler(loop, pool, policy, until=until)
     began = time.perf_counter()
     for scaler in scalers.values():
@@ -145,10 +170,15 @@ def main() -> None:
     parser.add_argument("--transfer-latency-ms", type=float, default=1.0)
     args = parser.parse_args()
     p = prepare(args)
+    began = time.perf_counter()
+    pd_capacity = profile_pd(p.params, p.rows, args)
+    pd_profiled_s = time.perf_counter() - began
+    print(f"profiled P/D in {pd_profiled_s:.0f}s: " + ", ".join(
+        f"{role} {c.rate_per_replica:.2f} req/s" for role, c in pd_capacity.items()), flush=True)
     records = []
     for setup in args.setups.split(","):
         record = run(setup, p.params, requests(p.params, p.rows, p.times, args.max_output_tokens),
-                     sum(s for s, _ in p.phases), args, p.capacity)
+                     sum(s for s, _ in p.phases), args, p.capacity, pd_capacity)
         print(json.dumps({k: v for k, v in record.items() if k != "timeline_by_pool"}),
               flush=True)
         records.append(record)
@@ -156,6 +186,7 @@ def main() -> None:
               "transfer_gb_s": args.transfer_gb_s, "ttft_slo_s": args.ttft_slo,
               "itl_slo_s": args.itl_slo, "start_latency_s": p.params.start_latency_s,
               "capacity": msgspec.to_builtins(p.capacity), "profile_wall_s": p.profiled_s,
+              "pd_capacity": msgspec.to_builtins(pd_capacity), "pd_profile_wall_s": pd_profiled_s,
               "records": records}
     save(result, Path(args.out), markdown(result, args),
          lambda path: plot(records, p.phases, path))
@@ -193,18 +224,25 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     for r in result["records"]:
         lines.append(f"| {r['setup']} | " + " | ".join(
             f"{r['slo_attainment_by_window'][n]:.3f}" for n in names) + " |")
-    pd = next((r for r in result["records"] if r["setup"] == "pd_autoscaler"), None)
-    if pd is not None:
-        lines += ["", "pd_autoscaler's pools, replicas held at the end of each window "
+    for pd in (r for r in result["records"] if r["setup"] in ("pd_autoscaler", "pd_reactive")):
+        lines += ["", f"{pd['setup']}'s pools, replicas held at the end of each window "
                   "(prefill:decode):", ""]
         timeline = pd["timeline_by_pool"]
         for name, (_, end) in windows(args, profiles.load(args.profile)).items():
-            held = [":".join(str(_at(timeline[role], end)) for role in ("prefill", "decode"))]
-            lines.append(f"- {name}: {held[0]}")
+            lines.append(f"- {name}: " + ":".join(str(_at(timeline[role], end))
+                                                  for role in ROLES))
     cap = result["capacity"]
     lines += ["", f"The unified plan's capacity, profiled first: {cap['rate_per_replica']:g} "
               f"req/s and {cap['ongoing_per_replica']:.1f} requests in flight per replica "
-              f"({result['profile_wall_s']:.0f} s of wall time)."]
+              f"({result['profile_wall_s']:.0f} s of wall time). Each pool's, profiled next "
+              f"({result['pd_profile_wall_s']:.0f} s), in its own arrivals (the highest point "
+              "swept when none missed a target: a lower bound):", "",
+              "| pool | capacity (req/s per replica) | in flight per replica | points swept "
+              "| highest swept (req/s) |", "|---|---:|---:|---:|---:|"]
+    for role, c in result["pd_capacity"].items():
+        lines.append(f"| {role} | {c['rate_per_replica']:.2f} | "
+                     f"{c['ongoing_per_replica']:.1f} | {len(c['points'])} | "
+                     f"{c['points'][-1]['rate_per_replica']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
