@@ -5,7 +5,7 @@ simulation, or find what one replica serves within latency targets (the autoscal
         --model-path ~/.cache/tokenfab/models/tiny-llama --kv-blocks 384 --out my-profile.json
     python -m sim replay --profile h100-llama-3.1-8b --trace ../shared/traces/synthetic_trace.jsonl \\
         --policy kv_aware --replicas 64 --rate 64 [--pd 16:48 --transfer-gb-s 50]
-    python -m sim capacity --profile h100-llama-3.1-8b \
+    python -m sim capacity --profile h100-llama-3.1-8b [--role prefill|decode] \\
         --trace ../shared/traces/synthetic_trace.jsonl --ttft-p90-s 3 --itl-p90-s 0.1
 """
 
@@ -73,7 +73,7 @@ def _split(value: str) -> tuple[int, int]:
 
 
 def _capacity(args: argparse.Namespace) -> None:
-    from sim.profile import sweep
+    from sim.profile import sweep, sweep_pd
 
     params = profiles.load(args.profile)
     rows = workload.read_trace(Path(args.trace))
@@ -87,8 +87,15 @@ def _capacity(args: argparse.Namespace) -> None:
             output_tokens=lambda row: max(1, min(args.max_output_tokens, row["output_length"])))
 
     rates = [args.step * k for k in range(1, int(args.max_rate / args.step) + 1)]
-    capacity = sweep(params, make, rates, args.ttft_p90_s, args.itl_p90_s,
-                     replicas=args.replicas, seconds=args.seconds)
+    if args.role == "unified":
+        capacity = sweep(params, make, rates, args.ttft_p90_s, args.itl_p90_s,
+                         replicas=args.replicas, seconds=args.seconds)
+    else:  # rates offered; the points are the pool's own arrivals
+        capacity = sweep_pd(params, make, rates, args.ttft_p90_s, args.itl_p90_s, args.role,
+                            replicas=args.replicas, other=args.other, seconds=args.seconds,
+                            transfer_bytes_per_s=args.transfer_gb_s * 1e9,
+                            transfer_latency_s=args.transfer_latency_ms / 1e3,
+                            min_prompt_tokens=args.min_prompt_tokens)
     print("req/s per replica | TTFT signal p90 | ITL signal p90 | in flight per replica")
     for p in capacity.points:
         print(f"{p.rate_per_replica:17g} | {p.ttft_p90_s:15.2f} | {p.itl_p90_s:14.3f} | "
@@ -97,7 +104,7 @@ def _capacity(args: argparse.Namespace) -> None:
         sys.exit(f"even {rates[0]:g} req/s per replica misses a target: no capacity to plan with")
     print(f"\nautoscaler:  # or a pool's own autoscaling: section\n"
           f"  capacity_rps: {capacity.rate_per_replica:g}\n"
-          f"  target_ongoing_requests: {capacity.ongoing_per_replica:.1f}\n"
+          f"  target_ongoing_requests: {capacity.ongoing_per_replica:.2f}\n"
           f"  ttft_p90_s: {args.ttft_p90_s:g}\n  itl_p90_s: {args.itl_p90_s:g}\n"
           f"  replica_start_s: {params.start_latency_s:g}")
 
@@ -153,6 +160,14 @@ def main(argv: list[str] | None = None) -> None:
     cap.add_argument("--tokens-per-id", type=int, default=512)
     cap.add_argument("--max-output-tokens", type=int, default=1024)
     cap.add_argument("--seed", type=int, default=0)
+    cap.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",
+                     help="a unified pool, or one pool of a disaggregated pair (its capacity "
+                     "in its own arrivals, beside --other replicas of the other pool)")
+    cap.add_argument("--other", type=int, default=16, help="with --role prefill or decode")
+    cap.add_argument("--transfer-gb-s", type=float, default=50.0)
+    cap.add_argument("--transfer-latency-ms", type=float, default=1.0)
+    cap.add_argument("--min-prompt-tokens", type=int, default=256,
+                     help="disaggregation.min_prompt_tokens")
     cap.set_defaults(run=_capacity)
     args = parser.parse_args(argv)
     try:

@@ -458,6 +458,25 @@ def test_replay_command_runs_pd_pools_and_refuses_a_profile_without_kv_bytes(
     assert "kv_bytes_per_token is not set" in capsys.readouterr().err
 
 
+def test_capacity_command_profiles_one_pool_of_a_pair(tmp_path, capsys) -> None:
+    from sim.__main__ import main
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(
+        f'{{"timestamp": {i * 500}, "input_length": {600 + 400 * (i % 2)}, '
+        f'"output_length": 8, "hash_ids": [{i % 2}, {10 + i}]}}\n' for i in range(6)))
+    main(["capacity", "--profile", "h100-llama-3.1-8b", "--trace", str(trace), "--ttft-p90-s",
+          "3", "--itl-p90-s", "0.1", "--role", "prefill", "--replicas", "1", "--other", "1",
+          "--seconds", "30", "--step", "0.5", "--max-rate", "1"])
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines()[1:3]]
+    rates = [float(row[0]) for row in rows]
+    # offered 0.5 and 1 req/s; a third of the prompts find their prefix on decode and skip
+    # prefill, so the prefill pool's own arrivals are fewer
+    assert 0 < rates[0] < 0.5 and rates[0] < rates[1] < 1.0
+    assert f"capacity_rps: {rates[1]:g}" in out
+
+
 def test_tokenfab_policies_size_prefill_and_decode_pools_each_by_its_own_load() -> None:
     from autoscaler.serve_policy import PoolPolicy
     from sim.autoscale import SimAutoscaler
