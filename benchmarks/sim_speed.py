@@ -30,7 +30,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from simulator import POLICIES, RESULTS, TRACE, scale_workload
+from simulator import RESULTS, TRACE, scale_workload, workload_arguments
 
 from sim import params as profiles
 from sim import workload
@@ -122,12 +122,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--profile", default="h100-llama-3.1-8b")
-    parser.add_argument("--rate-per-replica", type=float, default=0.75)
-    parser.add_argument("--requests-per-replica", type=int, default=20)
-    parser.add_argument("--max-output-tokens", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0)
+    workload_arguments(parser)
     parser.add_argument("--out", default=str(RESULTS / "sim_speed.json"))
     args = parser.parse_args()
     began = time.monotonic()

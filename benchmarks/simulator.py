@@ -73,6 +73,16 @@ def scale_workload(params: profiles.EngineParams, rows: list[dict[str, Any]], re
     return make, copies, rate
 
 
+def workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `scale_workload` reads, and --policies and --profile."""
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--profile", default="h100-llama-3.1-8b")
+    parser.add_argument("--rate-per-replica", type=float, default=0.75)
+    parser.add_argument("--requests-per-replica", type=int, default=20)
+    parser.add_argument("--max-output-tokens", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def run_scale(params: profiles.EngineParams, rows: list[dict[str, Any]], replicas: int,
               args: argparse.Namespace) -> list[dict[str, Any]]:
     make, copies, rate = scale_workload(params, rows, replicas, args)
@@ -183,12 +193,7 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", default="16,64,256,1024")
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--profile", default="h100-llama-3.1-8b")
-    parser.add_argument("--rate-per-replica", type=float, default=0.75)
-    parser.add_argument("--requests-per-replica", type=int, default=20)
-    parser.add_argument("--max-output-tokens", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0)
+    workload_arguments(parser)
     parser.add_argument("--max-history-entries", type=int, default=None,
                         help="the router's dispatch-history bound (router.max_history_entries; "
                         "default: the router's default)")
