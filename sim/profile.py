@@ -9,6 +9,8 @@ replica at which the point and every lower one keep both signals within the targ
 time, so the plan never sizes a pool that the latency rules would then find too small; the
 requests in flight there (Little's law) are what one replica serves within them
 (`target_ongoing`). The requests' own TTFT and mean inter-token gap p90s are recorded beside.
+A pool of a disaggregated pair is profiled the same way beside a strong pool of the other role
+(`sweep_pd`), in its own arrivals and requests.
 
 Example: points at 0.5, 0.75 and 1.0 req/s per replica with TTFT p90 0.4, 1.1 and 6.0 s against
 a 3 s target: the capacity is 0.75 req/s per replica.
@@ -135,10 +137,12 @@ def sweep_pd(params: EngineParams, make: MakeLoad, rates: Sequence[float], ttft_
              itl_p90_s: float, role: str, replicas: int = 4, other: int = 16,
              seconds: float = 300.0, policy: str = "kv_aware", max_ongoing_requests: int = 64,
              **pd: float) -> Capacity:
-    """`sweep` for one pool of a disaggregated pair, the other pool `other` replicas strong (so
-    that it is not what limits the point): `rates` are offered requests/s per replica of the
-    pool; the capacity is in the pool's own arrivals (a prefill pool gets only the prompts
-    that take a prefill leg)."""
+    """`sweep` for one pool of a disaggregated pair, the other pool `other` replicas strong:
+    `rates` are offered requests/s per replica of the pool; the capacity is in the pool's own
+    arrivals (a prefill pool gets only the prompts that take a prefill leg). Where the other
+    pool limits a point after all (a decode pool's high rates behind a prefill pool at its
+    own capacity), the pool's arrivals fall short of what was offered, and the sweep can end
+    within the targets: its capacity is then a lower bound."""
     return _sweep(lambda rate: measure_pd(params, make, rate, role, replicas, other, seconds,
                                           policy, max_ongoing_requests, **pd),
                   rates, ttft_p90_s, itl_p90_s)
