@@ -4,8 +4,8 @@ The router decodes engine events with these types and never imports vLLM; a unit
 vLLM's own structs and decodes them here to keep the two schemas identical.
 
 A stored block's token ids and extra keys stay encoded (`msgspec.Raw`, decode them to read
-them): the router never reads them, and decoding them, 16 integers a block and a tenant's salt
-for each, was nine tenths of decoding a batch.
+them): the router never reads them, and decoding them (16 integers a block, and a tenant's salt
+for each where there is one) was 86% of decoding a batch: 748 ns a block against 102 now.
 """
 
 from __future__ import annotations
