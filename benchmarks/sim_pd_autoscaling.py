@@ -171,7 +171,8 @@ def main() -> None:
     args = parser.parse_args()
     p = prepare(args)
     began = time.perf_counter()
-    pd_capacity = profile_pd(p.params, p.rows, args)
+    planned = "pd_autoscaler" in args.setups.split(",")  # the one setup that reads them
+    pd_capacity = profile_pd(p.params, p.rows, args) if planned else {}
     pd_profiled_s = time.perf_counter() - began
     print(f"profiled P/D in {pd_profiled_s:.0f}s: " + ", ".join(
         f"{role} {c.rate_per_replica:.2f} req/s" for role, c in pd_capacity.items()), flush=True)
@@ -234,11 +235,13 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     cap = result["capacity"]
     lines += ["", f"The unified plan's capacity, profiled first: {cap['rate_per_replica']:g} "
               f"req/s and {cap['ongoing_per_replica']:.1f} requests in flight per replica "
-              f"({result['profile_wall_s']:.0f} s of wall time). Each pool's, profiled next "
-              f"({result['pd_profile_wall_s']:.0f} s), in its own arrivals (the highest point "
-              "swept when none missed a target: a lower bound):", "",
-              "| pool | capacity (req/s per replica) | in flight per replica | points swept "
-              "| highest swept (req/s) |", "|---|---:|---:|---:|---:|"]
+              f"({result['profile_wall_s']:.0f} s of wall time)."]
+    if result["pd_capacity"]:
+        lines[-1] += (f" Each pool's, profiled next ({result['pd_profile_wall_s']:.0f} s), in "
+                      "its own arrivals (the highest point swept when none missed a target: a "
+                      "lower bound):")
+        lines += ["", "| pool | capacity (req/s per replica) | in flight per replica "
+                  "| points swept | highest swept (req/s) |", "|---|---:|---:|---:|---:|"]
     for role, c in result["pd_capacity"].items():
         lines.append(f"| {role} | {c['rate_per_replica']:.2f} | "
                      f"{c['ongoing_per_replica']:.1f} | {len(c['points'])} | "

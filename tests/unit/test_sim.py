@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -435,14 +436,21 @@ def test_pd_keeps_long_prefills_out_of_decode_streams() -> None:
     assert stream_gap(pd=True) < 0.8 * stream_gap(pd=False)
 
 
-def test_replay_command_runs_pd_pools_and_refuses_a_profile_without_kv_bytes(
-        tmp_path, capsys) -> None:
-    from sim.__main__ import main
-
+def two_conversations(tmp_path) -> Path:
+    """Six requests of two conversations, 600- and 1,000-token prompts sharing their first
+    hash id within each."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(
         f'{{"timestamp": {i * 500}, "input_length": {600 + 400 * (i % 2)}, '
         f'"output_length": 8, "hash_ids": [{i % 2}, {10 + i}]}}\n' for i in range(6)))
+    return trace
+
+
+def test_replay_command_runs_pd_pools_and_refuses_a_profile_without_kv_bytes(
+        tmp_path, capsys) -> None:
+    from sim.__main__ import main
+
+    trace = two_conversations(tmp_path)
     main(["replay", "--profile", "h100-llama-3.1-8b", "--trace", str(trace), "--rate", "2",
           "--pd", "1:2"])
     result = json.loads(capsys.readouterr().out)
@@ -461,10 +469,7 @@ def test_replay_command_runs_pd_pools_and_refuses_a_profile_without_kv_bytes(
 def test_capacity_command_profiles_one_pool_of_a_pair(tmp_path, capsys) -> None:
     from sim.__main__ import main
 
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(
-        f'{{"timestamp": {i * 500}, "input_length": {600 + 400 * (i % 2)}, '
-        f'"output_length": 8, "hash_ids": [{i % 2}, {10 + i}]}}\n' for i in range(6)))
+    trace = two_conversations(tmp_path)
     main(["capacity", "--profile", "h100-llama-3.1-8b", "--trace", str(trace), "--ttft-p90-s",
           "3", "--itl-p90-s", "0.1", "--role", "prefill", "--replicas", "1", "--other", "1",
           "--seconds", "30", "--step", "0.5", "--max-rate", "1"])
