@@ -242,6 +242,10 @@ def add_arguments(parser: argparse.ArgumentParser, setups: list[str], out: str) 
     parser.add_argument("--max-output-tokens", type=int, default=1024)
     parser.add_argument("--setups", default=",".join(setups))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rise", type=float, default=0.12,
+                        help="the *_rise setups' declared rise (autoscaler.rise_rps_per_s), "
+                        "requests/s per second: the users' stated bound on how fast their "
+                        "traffic rises (0.12: about 37 req/s over 5 minutes)")
     parser.add_argument("--out", default=str(RESULTS / out))
 
 
@@ -272,10 +276,6 @@ def save(result: dict[str, Any], out: Path, markdown_text: str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, SETUPS, "sim_autoscaling.json")
-    parser.add_argument("--rise", type=float, default=0.12,
-                        help="autoscaler_rise's declared rise (autoscaler.rise_rps_per_s), "
-                        "requests/s per second: the users' stated bound on how fast their "
-                        "traffic rises (0.12: about 37 req/s over 5 minutes)")
     args = parser.parse_args()
     p = prepare(args)
     records = []

@@ -12,10 +12,14 @@ pulls timed by bytes over --transfer-gb-s). Setups:
 - pd_autoscaler: a prefill pool and a decode pool, each with tokenfab's policy for its role (a
   prefill pool reads its engines' TTFT and prompt backlog, a decode pool their inter-token
   latency; Serve runs one policy per deployment), each from --pd-min replicas up to the
-  --pd-max bound, each with a plan: its capacity in its own arrivals (a prefill pool gets only
+  --pd-max bound (--pd-min auto, the default: the floor that serves the first phase's rate at
+  the pool's profiled capacity, as --min 8 does a unified pool's), each with a plan: its capacity in its own arrivals (a prefill pool gets only
   the prompts that take a prefill leg) profiled first, in this run, by `sim.profile.sweep_pd`
   on 4 replicas of the pool beside 16 of the other, so each pool is sized for what its role
   needs of the workload (the ratio follows);
+- pd_autoscaler_rise: the same with a declared rise (`rise_rps_per_s`, --rise, as
+  sim_autoscaling.py's autoscaler_rise): each pool's plan keeps that rise over one replica start
+  in hand;
 - pd_reactive: the same pools and policies without a plan (no capacity per role);
 - pd_static: the --pd-static split all the time;
 - unified_static: --max replicas all the time.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +55,9 @@ from sim.profile import Capacity, sweep_pd
 from autoscaling import arrivals
 from sim_autoscaling import add_arguments, mark_phases, outcome, prepare, requests, save, windows
 
-SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_reactive", "pd_static", "unified_static"]
+SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_autoscaler_rise", "pd_reactive", "pd_static",
+          "unified_static"]
+PLANNED = ("pd_autoscaler", "pd_autoscaler_rise")  # the setups that profile each pool and plan
 ROLES = ("prefill", "decode")
 
 
@@ -64,12 +71,13 @@ def _still(ctx: Any) -> tuple[int, dict[str, Any]]:
 
 
 def _policy(role: str, low: int, high: int, args: argparse.Namespace,
-            capacity: Capacity | None) -> PoolPolicy:
+            capacity: Capacity | None, rise: float = 0.0) -> PoolPolicy:
     return PoolPolicy("sim", role, role=role, min_replicas=low, max_replicas=high,
                       ttft_p90_s=args.ttft_slo, itl_p90_s=args.itl_slo,
                       target_ongoing=capacity.ongoing_per_replica if capacity else 8.0,
                       downscale_delay_s=30.0, replica_start_s=args.replica_start_s,
-                      capacity_rps=capacity.rate_per_replica if capacity else 0.0)
+                      capacity_rps=capacity.rate_per_replica if capacity else 0.0,
+                      rise_rps_per_s=rise)
 
 
 def profile_pd(params: profiles.EngineParams, rows: list[dict[str, Any]],
@@ -87,6 +95,14 @@ def profile_pd(params: profiles.EngineParams, rows: list[dict[str, Any]],
                            transfer_bytes_per_s=args.transfer_gb_s * 1e9,
                            transfer_latency_s=args.transfer_latency_ms / 1e3)
             for role in ROLES}
+
+
+def floors(rate: float, capacity: dict[str, Capacity]) -> str:
+    """PREFILL:DECODE replicas that serve `rate` requests/s at each pool's profiled capacity.
+
+    Example: 8 req/s, prefill 0.71 and decode 5.97 req/s per replica: "12:2"."""
+    return ":".join(str(max(1, math.ceil(rate / capacity[role].rate_per_replica)))
+                    for role in ROLES)
 
 
 def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: float,
@@ -111,9 +127,10 @@ def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: 
                            max_ongoing_requests=args.max_ongoing)
         sim.submit(reqs)
         for index, (role, pool) in enumerate(zip(ROLES, (sim.prefill, sim.decode))):
-            plan = pd_capacity[role] if setup == "pd_autoscaler" else None
-            policy = _policy(role, low[index], high[index], args, plan) \
-                if setup in ("pd_autoscaler", "pd_reactive") else _still
+            plan = pd_capacity[role] if setup in PLANNED else None
+            rise = args.rise if setup == "pd_autoscaler_rise" else 0.0
+            policy = _policy(role, low[index], high[index], args, plan, rise) \
+                if setup in (*PLANNED, "pd_reactive") else _still
             scalers[role] = SimAutoscaler(loop, pool, policy, until=until)
     began = time.perf_counter()
     for scaler in scalers.values():
@@ -145,7 +162,7 @@ def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path:
                                                             for tl in pools.values()))]
         top.step(times, held, where="post", label=f"{r['setup']} (SLO {r['slo_attainment']:.3f}, "
                  f"{r['replica_seconds'] / 3600:.1f} replica-h)")
-        if "prefill" in pools and r["setup"] == "pd_autoscaler":
+        if "prefill" in pools and r["setup"] in PLANNED:
             for role, style in (("prefill", "-"), ("decode", "--")):
                 t, n = zip(*pools[role])
                 bottom.step(t, n, where="post", linestyle=style, label=f"{r['setup']}: {role}")
@@ -163,7 +180,10 @@ def plot(records: list[dict[str, Any]], phases: list[tuple[float, float]], path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, SETUPS, "sim_pd_autoscaling.json")
-    parser.add_argument("--pd-min", default="4:4", help="PREFILL:DECODE least replicas")
+    parser.add_argument("--pd-min", default="auto",
+                        help="PREFILL:DECODE least replicas, or auto: each pool's floor serves "
+                        "the first phase's rate at its profiled capacity (as --min 8 does the "
+                        "unified pool's, at 1 req/s per replica)")
     parser.add_argument("--pd-max", default="48:32", help="PREFILL:DECODE most replicas")
     parser.add_argument("--pd-static", default="48:16", help="PREFILL:DECODE of pd_static")
     parser.add_argument("--transfer-gb-s", type=float, default=50.0)
@@ -171,9 +191,13 @@ def main() -> None:
     args = parser.parse_args()
     p = prepare(args)
     began = time.perf_counter()
-    planned = "pd_autoscaler" in args.setups.split(",")  # the one setup that reads them
-    pd_capacity = profile_pd(p.params, p.rows, args) if planned else {}
+    # the planned setups plan with them; --pd-min auto sizes both autoscaled setups' floors by them
+    needed = bool(set(PLANNED) & set(args.setups.split(","))) or args.pd_min == "auto"
+    pd_capacity = profile_pd(p.params, p.rows, args) if needed else {}
     pd_profiled_s = time.perf_counter() - began
+    pd_min_rule = args.pd_min
+    if args.pd_min == "auto":
+        args.pd_min = floors(p.phases[0][1], pd_capacity)
     print(f"profiled P/D in {pd_profiled_s:.0f}s: " + ", ".join(
         f"{role} {c.rate_per_replica:.2f} req/s" for role, c in pd_capacity.items()), flush=True)
     records = []
@@ -188,22 +212,27 @@ def main() -> None:
               "itl_slo_s": args.itl_slo, "start_latency_s": p.params.start_latency_s,
               "capacity": msgspec.to_builtins(p.capacity), "profile_wall_s": p.profiled_s,
               "pd_capacity": msgspec.to_builtins(pd_capacity), "pd_profile_wall_s": pd_profiled_s,
+              "pd_min": args.pd_min, "pd_min_rule": pd_min_rule,
               "records": records}
     save(result, Path(args.out), markdown(result, args),
          lambda path: plot(records, p.phases, path))
 
 
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
+    rule = result.get("pd_min_rule", args.pd_min)
+    floor = (f" The P/D pools' floors (--pd-min auto) serve the first phase's rate at each pool's "
+             f"profiled capacity (below): {result['pd_min']} (prefill:decode)."
+             if rule == "auto" else "")
     lines = [
         "# Prefill and decode pools autoscaled, simulated", "",
         f"`python benchmarks/sim_pd_autoscaling.py --phases {args.phases} --rates {args.rates} "
-        f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --pd-min {args.pd_min} "
-        f"--pd-max {args.pd_max} --pd-static {args.pd_static} --transfer-gb-s "
-        f"{args.transfer_gb_s:g}`: Poisson arrivals of the Mooncake trace's requests, profile "
+        f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --pd-min {rule} "
+        f"--pd-max {args.pd_max} --pd-static {args.pd_static} --rise {args.rise:g} "
+        f"--transfer-gb-s {args.transfer_gb_s:g}`: Poisson arrivals of the Mooncake trace's requests, profile "
         f"`{args.profile}`, kv_aware routing in every pool; SLO: TTFT <= {args.ttft_slo:g} s and "
         f"mean inter-token gap <= {args.itl_slo:g} s. Simulated engines, tokenfab's real router "
         "and autoscaler policy (see sim/README.md); replicas start in "
-        f"{result['start_latency_s']:g} s.", "",
+        f"{result['start_latency_s']:g} s.{floor}", "",
         "| setup | SLO attainment | replica-seconds (prefill + decode) | x unified_static "
         "| TTFT p50 / p90 (s) | ITL p90 / p99 (ms) | most replicas | scale changes |",
         "|---|---:|---:|---:|---|---|---|---:|",
@@ -219,13 +248,14 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
                      f"{r['replica_seconds']:.0f}{split} | {ratio} | {r['ttft_p50_s']:.2f} / "
                      f"{r['ttft_p90_s']:.2f} | {r['itl_p90_s'] * 1e3:.1f} / "
                      f"{r['itl_p99_s'] * 1e3:.1f} | {most} | {r['scale_changes']} |")
+    lines += targets(result["records"])
     names = list(result["records"][0]["slo_attainment_by_window"])
     lines += ["", "SLO attainment of the requests arriving in each window:", "",
               "| setup | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for r in result["records"]:
         lines.append(f"| {r['setup']} | " + " | ".join(
             f"{r['slo_attainment_by_window'][n]:.3f}" for n in names) + " |")
-    for pd in (r for r in result["records"] if r["setup"] in ("pd_autoscaler", "pd_reactive")):
+    for pd in (r for r in result["records"] if r["setup"] in (*PLANNED, "pd_reactive")):
         lines += ["", f"{pd['setup']}'s pools, replicas held at the end of each window "
                   "(prefill:decode):", ""]
         timeline = pd["timeline_by_pool"]
@@ -247,6 +277,26 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
                      f"{c['ongoing_per_replica']:.1f} | {len(c['points'])} | "
                      f"{c['points'][-1]['rate_per_replica']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def targets(records: list[dict[str, Any]]) -> list[str]:
+    """Each autoscaled setup against each static one, by the issue's measure: attainment at
+    least the static setup's at <= 0.7x its replica-seconds."""
+    static = [r for r in records if r["setup"].endswith("_static")]
+    if not static:
+        return []
+    lines = ["", "Against each static setup (the target: attainment at least the static one's "
+             "at <= 0.7x its replica-seconds; attainment to four places):", ""]
+    for r in records:
+        if r["setup"].endswith("_static"):
+            continue
+        lines.append(f"- {r['setup']}: " + "; ".join(
+            f"{r['slo_attainment']:.4f} against {s['setup']}'s {s['slo_attainment']:.4f} at "
+            f"{r['replica_seconds'] / s['replica_seconds']:.3f}x: " +
+            ("met" if r["slo_attainment"] >= s["slo_attainment"]
+             and r["replica_seconds"] <= 0.7 * s["replica_seconds"] else "not met")
+            for s in static))
+    return lines
 
 
 def _at(timeline: list[list[float]], t: float) -> int:
