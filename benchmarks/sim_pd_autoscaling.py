@@ -13,13 +13,14 @@ pulls timed by bytes over --transfer-gb-s). Setups:
   prefill pool reads its engines' TTFT and prompt backlog, a decode pool their inter-token
   latency; Serve runs one policy per deployment), each from --pd-min replicas up to the
   --pd-max bound (--pd-min auto, the default: the floor that serves the first phase's rate at
-  the pool's profiled capacity, as --min 8 does a unified pool's), each with a plan: its capacity in its own arrivals (a prefill pool gets only
+  the pool's profiled capacity, every request counted as a prefill leg, as --min 8 does a
+  unified pool's), each with a plan: its capacity in its own arrivals (a prefill pool gets only
   the prompts that take a prefill leg) profiled first, in this run, by `sim.profile.sweep_pd`
   on 4 replicas of the pool beside 16 of the other, so each pool is sized for what its role
   needs of the workload (the ratio follows);
 - pd_autoscaler_rise: the same with a declared rise (`rise_rps_per_s`, --rise, as
   sim_autoscaling.py's autoscaler_rise): each pool's plan keeps that rise over one replica start
-  in hand;
+  in hand (a rise of all requests: the prefill pool's plan holds it in prefill legs too);
 - pd_reactive: the same pools and policies without a plan (no capacity per role);
 - pd_static: the --pd-static split all the time;
 - unified_static: --max replicas all the time.
@@ -100,9 +101,17 @@ def profile_pd(params: profiles.EngineParams, rows: list[dict[str, Any]],
 def floors(rate: float, capacity: dict[str, Capacity]) -> str:
     """PREFILL:DECODE replicas that serve `rate` requests/s at each pool's profiled capacity.
 
+    A prefill pool's capacity counts prefill legs, and only some requests take one: every
+    request is counted as one here (an upper bound; a trace's first turns all take one).
     Example: 8 req/s, prefill 0.71 and decode 5.97 req/s per replica: "12:2"."""
-    return ":".join(str(max(1, math.ceil(rate / capacity[role].rate_per_replica)))
-                    for role in ROLES)
+    out = []
+    for role in ROLES:
+        per_replica = capacity[role].rate_per_replica
+        if per_replica <= 0:
+            raise SystemExit(f"--pd-min auto: the {role} pool missed its targets at every rate "
+                             "swept (capacity 0); give --pd-min PREFILL:DECODE")
+        out.append(str(max(1, math.ceil(rate / per_replica))))
+    return ":".join(out)
 
 
 def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: float,
@@ -182,8 +191,9 @@ def main() -> None:
     add_arguments(parser, SETUPS, "sim_pd_autoscaling.json")
     parser.add_argument("--pd-min", default="auto",
                         help="PREFILL:DECODE least replicas, or auto: each pool's floor serves "
-                        "the first phase's rate at its profiled capacity (as --min 8 does the "
-                        "unified pool's, at 1 req/s per replica)")
+                        "the first phase's rate at its profiled capacity, every request counted "
+                        "as a prefill leg (as --min 8 does the unified pool's, at 1 req/s per "
+                        "replica)")
     parser.add_argument("--pd-max", default="48:32", help="PREFILL:DECODE most replicas")
     parser.add_argument("--pd-static", default="48:16", help="PREFILL:DECODE of pd_static")
     parser.add_argument("--transfer-gb-s", type=float, default=50.0)
@@ -191,8 +201,10 @@ def main() -> None:
     args = parser.parse_args()
     p = prepare(args)
     began = time.perf_counter()
-    # the planned setups plan with them; --pd-min auto sizes both autoscaled setups' floors by them
-    needed = bool(set(PLANNED) & set(args.setups.split(","))) or args.pd_min == "auto"
+    # the planned setups plan with them; --pd-min auto sizes the autoscaled P/D floors by them
+    setups = set(args.setups.split(","))
+    needed = bool(set(PLANNED) & setups) or (args.pd_min == "auto"
+                                              and bool({*PLANNED, "pd_reactive"} & setups))
     pd_capacity = profile_pd(p.params, p.rows, args) if needed else {}
     pd_profiled_s = time.perf_counter() - began
     pd_min_rule = args.pd_min
@@ -219,7 +231,9 @@ def main() -> None:
 
 
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
-    rule = result.get("pd_min_rule", args.pd_min)
+    rule = result.get("pd_min_rule", "4:4")  # the runs before --pd-min auto were at 4:4
+    rise = (f" --rise {args.rise:g}" if any(r["setup"] == "pd_autoscaler_rise"
+                                            for r in result["records"]) else "")
     floor = (f" The P/D pools' floors (--pd-min auto) serve the first phase's rate at each pool's "
              f"profiled capacity (below): {result['pd_min']} (prefill:decode)."
              if rule == "auto" else "")
@@ -227,8 +241,8 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         "# Prefill and decode pools autoscaled, simulated", "",
         f"`python benchmarks/sim_pd_autoscaling.py --phases {args.phases} --rates {args.rates} "
         f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --pd-min {rule} "
-        f"--pd-max {args.pd_max} --pd-static {args.pd_static} --rise {args.rise:g} "
-        f"--transfer-gb-s {args.transfer_gb_s:g}`: Poisson arrivals of the Mooncake trace's requests, profile "
+        f"--pd-max {args.pd_max} --pd-static {args.pd_static}{rise} --transfer-gb-s "
+        f"{args.transfer_gb_s:g}`: Poisson arrivals of the Mooncake trace's requests, profile "
         f"`{args.profile}`, kv_aware routing in every pool; SLO: TTFT <= {args.ttft_slo:g} s and "
         f"mean inter-token gap <= {args.itl_slo:g} s. Simulated engines, tokenfab's real router "
         "and autoscaler policy (see sim/README.md); replicas start in "
