@@ -54,7 +54,8 @@ from sim.loop import EventLoop
 from sim.pd import SimPDCluster
 from sim.profile import Capacity, sweep_pd
 from autoscaling import arrivals
-from sim_autoscaling import add_arguments, mark_phases, outcome, prepare, requests, save, windows
+from sim_autoscaling import (add_arguments, mark_phases, meets_target, outcome, prepare,
+                             requests, save, windows)
 
 SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_autoscaler_rise", "pd_reactive", "pd_static",
           "unified_static"]
@@ -307,8 +308,7 @@ def targets(records: list[dict[str, Any]]) -> list[str]:
         lines.append(f"- {r['setup']}: " + "; ".join(
             f"{r['slo_attainment']:.4f} against {s['setup']}'s {s['slo_attainment']:.4f} at "
             f"{r['replica_seconds'] / s['replica_seconds']:.3f}x: " +
-            ("met" if r["slo_attainment"] >= s["slo_attainment"]
-             and r["replica_seconds"] <= 0.7 * s["replica_seconds"] else "not met")
+            ("met" if meets_target(r, s) else "not met")
             for s in static))
     return lines
 
