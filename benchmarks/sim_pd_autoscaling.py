@@ -204,8 +204,7 @@ def main() -> None:
     began = time.perf_counter()
     # the planned setups plan with them; --pd-min auto sizes the autoscaled P/D floors by them
     setups = set(args.setups.split(","))
-    needed = bool(set(PLANNED) & setups) or (args.pd_min == "auto"
-                                              and bool({*PLANNED, "pd_reactive"} & setups))
+    needed = bool(set(PLANNED) & setups) or (args.pd_min == "auto" and "pd_reactive" in setups)
     pd_capacity = profile_pd(p.params, p.rows, args) if needed else {}
     pd_profiled_s = time.perf_counter() - began
     pd_min_rule = args.pd_min
