@@ -8,8 +8,8 @@ benchmark's setup) and through the simulator, calibrated in the same run.
    deployment, calibration replays of other conversations of the trace (roots the window does
    not have) at each of --calibration-rates (default: the measured rates) fit the law's scale
    under load, the request overhead and what each request already on a replica adds to it,
-   for all of them together (`sim.calibrate.fit_to_replay`): the `cpu-tiny` profile, written to
-   sim/profiles/cpu-tiny.json.
+   for their TTFT p50, p90 and p99 together (`sim.calibrate.fit_to_replay`): the `cpu-tiny`
+   profile, written to sim/profiles/cpu-tiny.json.
 3. Each policy replays the routing benchmark's sample at each rate (`routing.replay_rate`: cold
    caches, repeats of the sample for at least --min-replay-s of arrivals).
 4. The simulator replays the same requests, replays and rates with the fitted profile and
@@ -121,12 +121,14 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         "Then, on each deployment before its measured replays, calibration replays of other "
         "conversations of the trace (roots the window does not have), one at each calibration "
         "rate, scale the law and set the request overhead and what each request already on the "
-        "replica adds to it, fitted to all of them together (`sim.calibrate.fit_to_replay`):",
+        "replica adds to it, fitted to their TTFT p50, p90 and p99 together "
+        "(`sim.calibrate.fit_to_replay`):",
         "",
     ]
     for policy, c in result["calibration_replay"].items():
         seen = "; ".join(f"at {r['rate_rps']:g} req/s TTFT p50 {r['real']['ttft_p50_s']:.3f} s, "
-                         f"p90 {r['real']['ttft_p90_s']:.3f} s" for r in c["replays"])
+                         f"p90 {r['real']['ttft_p90_s']:.3f} s, p99 {r['real']['ttft_p99_s']:.3f} s"
+                         for r in c["replays"])
         lines.append(f"- {policy}: {c['requests']} requests, real {seen}: step terms "
                      f"x{c['step_scale']:.2f}, overhead {c['request_overhead_s'] * 1e3:.1f} ms "
                      f"+ {c['overhead_per_stream_s'] * 1e3:.1f} ms per request already on the "

@@ -260,6 +260,7 @@ def calibrate(base_url: str, model: str, words: list[str], *, block_size: int, k
 STEP_SCALES = [0.8 + 0.1 * i for i in range(23)]  # 0.8 .. 3.0
 OVERHEADS_S = [0.0025 * i for i in range(1, 21)]  # 2.5 .. 50 ms
 PER_STREAM_S = [0.001 * i for i in (0, 1, 2, 3, 4, 6, 8)]  # per request already on the replica
+QUANTILES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")  # fitted, where a real summary has them
 
 
 def scaled(params: EngineParams, step_scale: float, overhead_s: float,
@@ -282,8 +283,14 @@ def fit_to_replay(params: EngineParams,
     slower (co-located engines and the request path share cores, caches and memory bandwidth)
     and requests wait longer outside them. This fits one scale of every step term and the
     request overhead to calibration replays (requests the fidelity window does not have), each a
-    pair (simulate, real summary): the grid point whose simulated TTFT p50 and p90 are closest
-    to the real ones in log terms, over every replay together.
+    pair (simulate, real summary): the grid point whose simulated TTFT quantiles are closest
+    to the real ones in log terms, over every replay together; the quantiles are those of
+    `QUANTILES` the real summary has.
+
+    The p99 is the longest prompts, computed whole: it pins the scale of the law's per-token
+    terms, which p50 (short, cached prompts: mostly overhead) and p90 alone let trade against
+    the overhead (a scale that met a calibration replay's p90 overstated both the replay's and
+    the window's longest prompts by 15%; sim_fidelity-notes.md, session 55).
 
     What the request path adds grows with the load on a machine whose cores it shares; one
     constant overhead fitted across loads is too high at the low one and too low at the high
@@ -294,7 +301,7 @@ def fit_to_replay(params: EngineParams,
         error = 0.0
         for simulate, real in replays:
             sim = simulate(candidate)
-            error += sum(math.log(sim[m] / real[m]) ** 2 for m in ("ttft_p50_s", "ttft_p90_s"))
+            error += sum(math.log(sim[m] / real[m]) ** 2 for m in QUANTILES if m in real)
         return error
 
     best = min((error_of(scaled(params, scale, overhead)), scale, overhead,

@@ -561,3 +561,25 @@ def test_fit_to_replays_at_two_loads_finds_the_overhead_that_grows_with_the_load
     assert error == pytest.approx(0.0, abs=1e-12)
     alone, _, _ = fit_to_replay(probed, pairs[:1])  # one load: the overhead per stream as probed
     assert alone.overhead_per_stream_s == 0.0
+
+
+def test_fit_to_replay_weighs_the_p99_where_it_is_recorded() -> None:
+    # p50 and p90 read the overhead plus the step law; the p99, the longest prompts computed
+    # whole, reads the law alone. Here p50 and p90 say x1.5 and the p99 says x1.0.
+    probed = msgspec.structs.replace(load("cpu-tiny"), overhead_per_stream_s=0.0)
+    base = probed.step_base_s
+
+    def simulate(p: EngineParams) -> dict[str, float]:
+        step = p.step_base_s / base
+        return {"ttft_p50_s": p.request_overhead_s + 0.01 * step,
+                "ttft_p90_s": p.request_overhead_s + 0.03 * step, "ttft_p99_s": 0.05 * step}
+
+    real = simulate(msgspec.structs.replace(probed, step_base_s=base * 1.5,
+                                            request_overhead_s=0.0125))
+    without = {m: v for m, v in real.items() if m != "ttft_p99_s"}
+    params, scale, error = fit_to_replay(probed, [(simulate, without)])
+    assert (scale, params.request_overhead_s) == (pytest.approx(1.5), pytest.approx(0.0125))
+    assert error == pytest.approx(0.0, abs=1e-12)
+    real["ttft_p99_s"] = 0.05
+    params, scale, error = fit_to_replay(probed, [(simulate, real)])
+    assert scale < 1.5 and error > 0  # the p99 moved the fit toward its x1.0
