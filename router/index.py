@@ -243,9 +243,9 @@ def _fresh_tail(holders: dict[EngineBlockHash, int],
 
     A prompt's new blocks are stored after the head it shares with others, if any: most of a
     batch is new to the map, and storing it in C costs a fraction of the per-block loop.
+    Only the tail and the last held block before it are looked up (from the end).
     Example: holders {h1: 0b1}; [h1, h2, h3] -> {h2: None, h3: None}."""
-    masks = list(map(holders.get, hashes, repeat(0)))
-    count = len(list(takewhile(not_, reversed(masks))))
+    count = len(list(takewhile(not_, map(holders.get, reversed(hashes), repeat(0)))))
     if not count:
         return {}
     head = len(hashes) - count
