@@ -29,7 +29,7 @@ from router.slots import ReplicaId, ReplicaSlots, bits
 
 __all__ = ["BYTES_PER_ENTRY", "DEFAULT_MAX_ENTRIES", "KVBlockIndex", "ReplicaId"]
 
-BYTES_PER_ENTRY = 280  # 183-275 measured from 20k to 1M pairs, replica slots 0 to 255
+BYTES_PER_ENTRY = 300  # 180-335 measured from 20k to 1M pairs, replica slots 0 to 255
 DEFAULT_MAX_ENTRIES = 1_000_000
 GPU = "GPU"
 GENERATIONS = 16  # the eviction order's granularity: 1/16 of the bound
@@ -233,7 +233,6 @@ class KVBlockIndex:
                 del self._blocks[self._slots.name(bit)][block]
                 if self._media:
                     self._set_medium(block, bit, GPU)
-
 
 
 def _fresh_tail(holders: dict[EngineBlockHash, int],

@@ -289,8 +289,8 @@ def fit_to_replay(params: EngineParams,
 
     The p99 is the longest prompts, computed whole: it pins the scale of the law's per-token
     terms, which p50 (short, cached prompts: mostly overhead) and p90 alone let trade against
-    the overhead (a scale that met a calibration replay's p90 overstated both the replay's and
-    the window's longest prompts by 15%; sim_fidelity-notes.md, session 55).
+    the overhead (a scale that met a calibration replay's p90 overstated the replay's and the
+    window's longest prompts by 15% and 13%; sim_fidelity-notes.md, session 55).
 
     What the request path adds grows with the load on a machine whose cores it shares; one
     constant overhead fitted across loads is too high at the low one and too low at the high
