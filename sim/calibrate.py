@@ -287,7 +287,7 @@ def fit_to_replay(params: EngineParams,
     to the real ones in log terms, over every replay together; the quantiles are those of
     `QUANTILES` the real summary has.
 
-    The p99 is the longest prompts, computed whole: it pins the scale of the law's per-token
+    The p99 is the longest prompts, computed whole: it weighs the scale of the law's per-token
     terms, which p50 (short, cached prompts: mostly overhead) and p90 alone let trade against
     the overhead (a scale that met a calibration replay's p90 overstated the replay's and the
     window's longest prompts by 15% and 13%; sim_fidelity-notes.md, session 55).

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 
 from sim import workload
-from sim.calibrate import Prober, calibrate, fit_to_replay
+from sim.calibrate import QUANTILES, Prober, calibrate, fit_to_replay
 from sim.params import EngineParams
 from sim.run import replay
 
@@ -72,7 +72,7 @@ def simulated_replay(params: EngineParams, policy: str, replicas: int,
                                  exact_ids=True, namespace=namespace)
 
     result = replay(params, policy, replicas, make)
-    return {m: result[m] for m in (*METRICS, "ttft_p99_s")}  # the p99 for fit_to_replay
+    return {m: result[m] for m in (*METRICS, *QUANTILES)}  # what fit_to_replay reads
 
 
 def check(base_url: str, model: str, words: list[str], *, policy: str, replicas: int,
