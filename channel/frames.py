@@ -108,6 +108,14 @@ def nonce(value: bytes) -> bytes:
     return value
 
 
+class AdapterRef(msgspec.Struct, array_like=True, frozen=True):
+    """A LoRA adapter as engines load it: its name (what the body's `model` says) and its path.
+    Engines hash both into the KV blocks' hashes, so a path is one exact string everywhere."""
+
+    name: str
+    path: str
+
+
 class Request(msgspec.Struct, array_like=True, frozen=True):
     endpoint: str  # "completions" or "chat"
     body: bytes  # the OpenAI request body, JSON
@@ -119,6 +127,7 @@ class Request(msgspec.Struct, array_like=True, frozen=True):
     # chunk) and counts usage as one request would.
     resume: tuple[int, ...] | None = None
     rank: int | None = None  # the engine's data-parallel rank to run on (None: it picks)
+    adapter: AdapterRef | None = None  # the LoRA adapter the body's `model` names (None: base)
 
 
 class Head(msgspec.Struct, array_like=True, frozen=True):

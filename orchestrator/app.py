@@ -15,7 +15,7 @@ from orchestrator.gateway.colocated import PoolReplicaWithIngress
 from orchestrator.gateway.ingress import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_TIMEOUT_S, Gateway
 from orchestrator.config import PoolSpec, Topology, parse_topology, pool_deployment_name
 from pools.deployment import PoolReplica, ReplicaSettings
-from pools.engine import EngineSpec
+from pools.engine import EngineSpec, LoraSettings
 from tokenfab.errors import TopologyError
 
 HEALTH_CHECK_PERIOD_S = 5.0
@@ -46,7 +46,19 @@ def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:
         data=pool.parallel.data,
         expert=pool.parallel.expert,
         parallel_backend=pool.parallel.backend,
+        lora=lora_settings(topology),
     )
+
+
+def lora_settings(topology: Topology) -> LoraSettings | None:
+    """vLLM's LoRA settings of every engine of the model, and its tiny adapters to generate."""
+    lora = topology.model.lora
+    if lora is None:
+        return None
+    return LoraSettings(
+        max_loras=lora.max_loras, max_cpu_loras=lora.resident, max_rank=lora.max_rank,
+        generate=tuple((a.resolved_path, a.generate) for a in lora.adapters
+                       if a.generate is not None))
 
 
 def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:

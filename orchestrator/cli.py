@@ -114,16 +114,25 @@ def model() -> None:
 @click.option("--moe", is_flag=True, help="A tiny mixture-of-experts (Mixtral) instead of Llama.")
 @click.option("--seed", default=0, show_default=True, help="Weights and tokenizer seed.")
 @click.option("--if-missing", is_flag=True, help="Keep a model already at --out.")
-def tiny(out: str, moe: bool, seed: int, if_missing: bool) -> None:
+@click.option("--lora", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Also write N deterministic LoRA adapters, in <out>-lora/lora-0 ... lora-N-1.")
+def tiny(out: str, moe: bool, seed: int, if_missing: bool, lora: int) -> None:
     """Build a deterministic tiny random-weight model with its own tokenizer."""
+    from pools.tiny_lora import adapter_name, ensure_tiny_adapter
     from pools.tiny_model import build_tiny_model, ensure_tiny_model, model_digest
 
+    if lora and moe:
+        raise click.UsageError("--lora: tiny adapters are made for the dense tiny model")
     target = Path(out).expanduser()
     if if_missing:
         path = ensure_tiny_model(target, moe=moe)
     else:
         path = build_tiny_model(target, moe=moe, seed=seed)
     click.echo(f"{path} sha256:{model_digest(path)}")
+    adapters = target.parent / f"{target.name}-lora"
+    for index in range(lora):
+        where = ensure_tiny_adapter(path, adapters / adapter_name(index), index)
+        click.echo(f"{where} sha256:{model_digest(where)}")
 
 
 @main.command()
@@ -227,6 +236,66 @@ def scale(pool: str, replicas: int, app: str | None, dashboard: str, timeout: fl
     except TokenfabError as exc:
         _fail(exc)
     click.echo(f"pool {pool}: {replicas} replicas")
+
+
+@main.group()
+def adapter() -> None:
+    """LoRA adapters of a running application (its topology sets model.lora). With auth on,
+    $TOKENFAB_ADMIN_KEY must hold an admin key."""
+
+
+@adapter.command("list")
+@click.option("--app", default=None, help="Application name (default: the only one deployed).")
+@click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
+def adapter_list(app: str | None, dashboard: str) -> None:
+    """Every adapter served, and the replicas that hold it loaded now."""
+    from orchestrator.status import adapter_call
+
+    try:
+        rows = adapter_call(dashboard, app, "GET")
+    except TokenfabError as exc:
+        _fail(exc)
+    for row in rows:
+        owners = ",".join(row["tenants"]) if row["tenants"] is not None else "all tenants"
+        kind = "declared" if row["declared"] else "loaded"
+        held = ",".join(row["held_by"]) or "-"
+        click.echo(f"{row['name']}  {kind}  {owners}  held by: {held}  {row['path']}")
+
+
+@adapter.command("load")
+@click.argument("name")
+@click.argument("path")
+@click.option("--tenant", "tenants", multiple=True,
+              help="Private to this tenant (repeat for several); default: every tenant.")
+@click.option("--app", default=None, help="Application name (default: the only one deployed).")
+@click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
+def adapter_load(name: str, path: str, tenants: tuple[str, ...], app: str | None,
+                 dashboard: str) -> None:
+    """Serve the adapter at PATH (on every node) as NAME, from now on."""
+    from orchestrator.status import adapter_call
+
+    body = {"name": name, "path": str(Path(path).expanduser().resolve())
+            if Path(path).expanduser().exists() else path, "tenants": list(tenants) or None}
+    try:
+        adapter_call(dashboard, app, "POST", body=body)
+    except TokenfabError as exc:
+        _fail(exc)
+    click.echo(f"adapter {name}: loaded")
+
+
+@adapter.command("unload")
+@click.argument("name")
+@click.option("--app", default=None, help="Application name (default: the only one deployed).")
+@click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
+def adapter_unload(name: str, app: str | None, dashboard: str) -> None:
+    """Stop serving NAME (an adapter loaded at run time): requests for it get 404."""
+    from orchestrator.status import adapter_call
+
+    try:
+        adapter_call(dashboard, app, "DELETE", name=name)
+    except TokenfabError as exc:
+        _fail(exc)
+    click.echo(f"adapter {name}: unloaded")
 
 
 @main.command()

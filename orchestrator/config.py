@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from orchestrator.adapter_config import AdapterSpec, LoraSpec, resolved_path
 from orchestrator.strict import Strict as _Strict
 # The pool, tenant and admission sections live in their own modules; they are part of this
 # document
@@ -38,12 +39,17 @@ class ModelSpec(_Strict):
         "auto", description="Weight and activation dtype."
     )
     max_model_len: int = Field(2048, gt=0, description="Longest prompt plus output, in tokens.")
+    lora: LoraSpec | None = Field(
+        None, description="LoRA adapters of this model (null: none, and none can be loaded).")
 
     @property
     def resolved_path(self) -> str:
-        expanded = Path(self.path).expanduser()
-        is_local = self.path.startswith(("/", ".", "~")) or expanded.exists()
-        return str(expanded.resolve()) if is_local else self.path
+        return resolved_path(self.path)
+
+    @property
+    def adapters(self) -> list[AdapterSpec]:
+        """The adapters declared with the topology."""
+        return self.lora.adapters if self.lora else []
 
     def is_moe(self) -> bool | None:
         """Whether the model is a mixture of experts: from `generate`, or from the checkpoint's
@@ -86,6 +92,12 @@ class RouterSpec(_Strict):
         "and the request runs on the rank the policy chose. engine: requests are placed on "
         "replicas only and each engine's own balancer picks the rank, unaware of prefixes (a "
         "baseline: what a rank-agnostic router gets); the ranks' KV events are not followed.")
+    adapters: Literal["aware", "ignore"] = Field(
+        "aware", description="LoRA adapters (model.lora). aware: a request's blocks are hashed "
+        "with its adapter, as the engines hash them (a prefix cached under one adapter is no "
+        "hit for another), and each replica's estimated time to first token counts the "
+        "measured load of an adapter it does not hold. ignore: routed as if every request ran "
+        "on the base model (a baseline: what an adapter-blind router gets).")
     max_in_flight: int = Field(
         64, ge=1, description="A replica with this many requests in flight takes no more "
         "requests while another replica has room, however much of the prompt it holds.")
@@ -346,9 +358,24 @@ class Topology(_Strict):
                                  f"< the ingress replicas ({self.ingress_replicas()}) would refuse "
                                  "it forever: each ingress replica's share is under one request")
             unknown = set(tenant.models or ()) - {self.model.name}
-            if unknown:
+            if unknown and not self.model.lora:  # an adapter loaded at run time may be meant
                 raise ValueError(f"tenant {tenant.name}: models {sorted(unknown)} are not served "
                                  f"(this topology serves {self.model.name!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _adapters(self) -> "Topology":
+        tenants = {tenant.name for tenant in self.tenants}
+        for i, adapter in enumerate(self.model.adapters):
+            where = f"model.lora.adapters.{i}"
+            if adapter.name == self.model.name:
+                raise ValueError(f"{where}.name: {adapter.name!r} is the model's own name")
+            if unknown := sorted(set(adapter.tenants or ()) - tenants):
+                raise ValueError(f"{where}.tenants ({adapter.name}): no tenant {unknown[0]!r} "
+                                 f"(tenants: {sorted(tenants)})")
+            if adapter.generate is not None and self.model.generate != "tiny":
+                raise ValueError(f"{where}.generate ({adapter.name}): tiny adapters are made "
+                                 "for the generated dense tiny model (model.generate: tiny)")
         return self
 
     @model_validator(mode="after")

@@ -27,6 +27,10 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "data_parallel_size": "pools[].parallel.data",
     "enable_expert_parallel": "pools[].parallel.expert",
     "data_parallel_backend": "pools[].parallel.backend",
+    "enable_lora": "model.lora",
+    "max_loras": "model.lora.max_loras",
+    "max_cpu_loras": "model.lora.max_cpu_loras",
+    "max_lora_rank": "model.lora.max_rank",
 }
 
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

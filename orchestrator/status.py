@@ -59,6 +59,29 @@ def _from_gateway(topology: Topology, path: str) -> Any:
     return response.json() if response.is_success else None
 
 
+def adapter_call(dashboard_url: str, app: str | None, method: str, *,
+                 body: dict[str, Any] | None = None, name: str = "") -> Any:
+    """A call to the gateway's /tokenfab/adapters route (admin key from $TOKENFAB_ADMIN_KEY);
+    its JSON answer, or a ClusterError with the gateway's own message."""
+    topology = deployed_topology(ServeClient(dashboard_url), app)
+    key = os.environ.get(ADMIN_KEY_ENV, "").strip()
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    url = f"{gateway_url(topology)}/tokenfab/adapters" + (f"/{name}" if name else "")
+    try:
+        response = httpx.request(method, url, json=body, headers=headers, timeout=30,
+                                 trust_env=False)
+    except httpx.HTTPError as exc:
+        raise ClusterError(f"the gateway of {topology.name} did not answer: {exc}") from exc
+    if response.is_success:
+        return response.json()
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200]
+    hint = f" (set {ADMIN_KEY_ENV} to an admin key)" if response.status_code in (401, 403) else ""
+    raise ClusterError(f"{response.status_code}: {message}{hint}")
+
+
 def collect(dashboard_url: str, app: str | None) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """One row per pool replica, and the gateway's prefill/decode counters (empty if unified)."""
     client = ServeClient(dashboard_url)

@@ -69,9 +69,13 @@ def nodes_offering(resources: dict[str, float], nodes: list[dict]) -> list[str]:
 
 
 def _ensure_generated_model(spec: EngineSpec) -> None:
+    from pools.tiny_lora import ensure_tiny_adapter
     from pools.tiny_model import ensure_tiny_model
 
-    ensure_tiny_model(Path(spec.model_path), moe=spec.generate == "tiny-moe")
+    if spec.generate:
+        ensure_tiny_model(Path(spec.model_path), moe=spec.generate == "tiny-moe")
+    for path, index in spec.lora.generate if spec.lora else ():
+        ensure_tiny_adapter(Path(spec.model_path), Path(path), index)
 
 
 async def _check_listening(channel: SideChannel, timeout_s: float = 5.0) -> None:
@@ -116,7 +120,7 @@ class PoolReplica:
         self._channel_address: str | None = None
         self._registry = Registry(settings.app)
         self._reporter = asyncio.create_task(self._report_forever(), name="registry-reporter")
-        if spec.generate:
+        if spec.generate or (spec.lora and spec.lora.generate):
             await asyncio.to_thread(_ensure_generated_model, spec)
         await self._engine.start()
         self._channel = ChannelServer(await asyncio.to_thread(channel_secret, settings.app), self,
@@ -190,7 +194,8 @@ class PoolReplica:
         tracked, streaming = request.track_tokens, False
         trace = TokenTrace(resume or ()) if tracked or resume is not None else None
         with self._counted_on(request.rank):
-            async for item in self._engine.reply(request.endpoint, body, trace, request.rank):
+            async for item in self._engine.reply(request.endpoint, body, trace, request.rank,
+                                                 request.adapter):
                 if isinstance(item, ReplyHead):
                     streaming = item.streaming
                     reply.head(item.status, streaming, self._replica_id)
@@ -308,11 +313,16 @@ class PoolReplica:
             engine_start_s=self._engine_start_s, channel=self._channel_address,
             ranks=self._ranks(),
             expert_tokens=list(self._engine.experts.tokens) if self._engine.experts else [],
+            adapters=slots.held if (slots := self._engine.adapters) else [],
+            adapter_load_s=slots.load_s if slots else 0.0,
+            adapter_loads=slots.loads if slots else 0,
         )
 
     async def _report_forever(self) -> None:
         while True:
             try:
+                if self._state == "ready" and self._engine.adapters is not None:
+                    self._engine.adapters.sync(await self._engine.loaded_adapters())
                 await self._registry.report(self.report())
             except Exception as exc:  # noqa: BLE001 - reported again at the next turn
                 logger.warning("could not report replica %s: %r", self._replica_id, exc)

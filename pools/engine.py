@@ -10,6 +10,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from channel.frames import AdapterRef
+
 Endpoint = Literal["completions", "chat"]
 
 
@@ -30,6 +32,16 @@ class EngineSpec(msgspec.Struct, frozen=True):
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_transfer_config: dict[str, Any] | None = None  # NixlConnector settings (kvtransfer.nixl)
+    lora: LoraSettings | None = None  # the engine runs LoRA adapters (None: it cannot)
+
+
+class LoraSettings(msgspec.Struct, frozen=True):
+    """vLLM's LoRA settings of an engine, and the tiny adapters to generate where missing."""
+
+    max_loras: int = 2  # adapters in one batch
+    max_cpu_loras: int = 2  # adapters kept loaded (least recently used evicted first)
+    max_rank: int = 16
+    generate: tuple[tuple[str, int], ...] = ()  # (path, tiny adapter number)
 
 
 class ReplyHead(msgspec.Struct, frozen=True):
@@ -123,7 +135,8 @@ class Engine(Protocol):
     a dead engine raises EngineDeadError. With a `trace`, the engine adds each step's generated
     tokens and text to it before it yields the bytes that carry them, and resumes from
     `trace.resume`. With data-parallel ranks, `rank` chooses the one that runs the request
-    (None: the engine's own balancer does).
+    (None: the engine's own balancer does). With an `adapter`, the request runs with that LoRA
+    adapter (the body's `model` names it), loaded first where the engine does not hold it.
     """
 
     block_size: int  # the KV cache's block size in tokens, once started (0 before)
@@ -133,7 +146,8 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
-              rank: int | None = None) -> AsyncIterator[ReplyHead | bytes]: ...
+              rank: int | None = None, adapter: AdapterRef | None = None
+              ) -> AsyncIterator[ReplyHead | bytes]: ...
 
     async def check_health(self) -> None: ...
 

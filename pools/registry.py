@@ -66,6 +66,22 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     # A mixture-of-experts engine with enable_return_routed_experts: routing decisions per expert
     # index since it started (pools.vllm_engine.ExpertLoad); empty otherwise
     expert_tokens: list[int] = msgspec.field(default_factory=list)
+    # LoRA adapters the engine holds loaded, least recently used first (pools.adapters), the
+    # median seconds a load took lately, and the loads since it started
+    adapters: list[str] = msgspec.field(default_factory=list)
+    adapter_load_s: float = 0.0
+    adapter_loads: int = 0
+
+
+class AdapterRecord(msgspec.Struct, frozen=True):
+    """A LoRA adapter loaded at run time (`tokenfab adapter load`): every gateway replica serves
+    what these entries say, the topology's declared adapters besides."""
+
+    name: str
+    path: str  # as engines load it (resolved once, by the admin route that took it)
+    parent: str  # the model it adapts
+    tenants: list[str] | None = None  # private to these tenants (None: public)
+    loaded_at: float = 0.0
 
 
 class IngressReport(msgspec.Struct, frozen=True):
@@ -106,7 +122,8 @@ def _in_background(coroutine: Coroutine[Any, Any, None], what: str) -> None:
 
 class Registry:
     """One application's entries in the GCS key-value store (namespace `tokenfab`, keys
-    `registry/<app>/replica/<id>`, `registry/<app>/ingress/<id>`, `registry/<app>/scale/<pool>`).
+    `registry/<app>/replica/<id>`, `registry/<app>/ingress/<id>`, `registry/<app>/scale/<pool>`,
+    `registry/<app>/adapter/<name>`).
 
     Whether an entry is fresh is judged on the reader's clock: it is listed while its writer has
     rewritten it within the time to live, as this reader saw it change (nodes' clocks need not
@@ -176,6 +193,18 @@ class Registry:
 
     async def record_scale(self, record: ScaleRecord) -> None:
         await self._put(self._key("scale", record.pool), record)
+
+    async def adapters(self) -> list[AdapterRecord]:
+        """The adapters loaded at run time, by name (they stay until unloaded)."""
+        return sorted((await self._entries("adapter", AdapterRecord)).values(),
+                      key=lambda r: r.name)
+
+    async def add_adapter(self, record: AdapterRecord) -> None:
+        await self._put(self._key("adapter", record.name),
+                        msgspec.structs.replace(record, loaded_at=time.time()))
+
+    async def remove_adapter(self, name: str) -> None:
+        await self._delete(self._key("adapter", name))
 
     async def _fresh(self, kind: str, type_: type[_Reported], ttl_s: float) -> list[_Reported]:
         """The entries rewritten within `ttl_s`, as this reader saw them change. Those unchanged

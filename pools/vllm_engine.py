@@ -7,6 +7,7 @@ endpoint is exactly as compatible as vLLM's; this module only translates at the 
 from __future__ import annotations
 
 import logging
+import time
 from argparse import Namespace
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
@@ -17,6 +18,8 @@ from pydantic import ValidationError
 
 from autoscaler.signals import SIGNAL_WINDOW_S, ReplicaSignals, Window
 from tokenfab.errors import EngineDeadError, EngineError
+from channel.frames import AdapterRef
+from pools.adapters import AdapterSlots
 from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
 
 
@@ -67,6 +70,9 @@ def build_engine_args(spec: EngineSpec) -> Any:
         )
     if spec.kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec.kv_transfer_config)
+    if spec.lora is not None:
+        kwargs |= {"enable_lora": True, "max_loras": spec.lora.max_loras,
+                   "max_cpu_loras": spec.lora.max_cpu_loras, "max_lora_rank": spec.lora.max_rank}
     return AsyncEngineArgs(**kwargs)
 
 
@@ -348,6 +354,9 @@ class VllmEngine:
         self._client_error: tuple[type[Exception], ...] = ()  # vLLM's, once started
         self.block_size = 0  # the KV cache block size, known once started
         self.kv_blocks = 0  # the KV cache's capacity in blocks, known once started
+        self._models: Any = None  # vLLM's OpenAIServingModels: the adapters requests can name
+        self.adapters = AdapterSlots(spec.lora.max_cpu_loras, self._load_adapter) \
+            if spec.lora else None
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -387,15 +396,24 @@ class VllmEngine:
         tasks = await self._llm.get_supported_tasks()
         await init_app_state(self._llm, state, args, supported_tasks=tasks)
         self._serving = {"completions": state.openai_serving_completion, "chat": state.openai_serving_chat}
+        self._models = state.openai_serving_models
         self._requests = {"completions": CompletionRequest, "chat": Chat}
         self._error_type = ErrorResponse
         self._client_error = (VLLMClientError,)
 
     async def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
-                    rank: int | None = None) -> AsyncIterator[ReplyHead | bytes]:
+                    rank: int | None = None, adapter: AdapterRef | None = None
+                    ) -> AsyncIterator[ReplyHead | bytes]:
         if rank is not None and not 0 <= rank < self.spec.data:  # a router's mistake, not the client's
             raise EngineError(f"data-parallel rank {rank} does not exist: the engine has "
                               f"{self.spec.data}")
+        if adapter is not None:
+            failed = await self._use_adapter(adapter)
+            if failed is not None:
+                yield ReplyHead(failed.error.code, streaming=False)
+                yield msgspec.json.encode(openai_error(
+                    failed.error.code, failed.error.message, "model"))
+                return
         unknown = sorted(body.keys() - _field_names(self._requests[endpoint]))
         try:
             if unknown:  # as OpenAI does; vLLM alone would ignore them silently
@@ -422,6 +440,48 @@ class VllmEngine:
             result = serving.create_error_response(exc)
         async for item in self._translate(result):
             yield item
+
+    async def _use_adapter(self, adapter: AdapterRef) -> Any:
+        """Register the adapter with vLLM's serving layer (which maps the body's `model` to its
+        LoRARequest) under this path, and load it into the engine where it is not loaded. vLLM's
+        error reply when it cannot (None: it can run)."""
+        if self.adapters is None:
+            raise EngineError(f"a request for adapter {adapter.name} reached an engine without "
+                              "LoRA (model.lora unset): the gateway routes adapters only to "
+                              "engines that run them")
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        known = self._models.lora_requests.get(adapter.name)
+        if known is None or known.lora_path != adapter.path:
+            started = time.monotonic()
+            result = await self._models.load_lora_adapter(LoadLoRAAdapterRequest(
+                lora_name=adapter.name, lora_path=adapter.path, load_inplace=known is not None))
+            if isinstance(result, self._error_type):
+                return result
+            # registering it loaded it into the engine (vLLM validates that way): a load
+            self.adapters.loaded(adapter.name, time.monotonic() - started)
+            return None
+        try:
+            await self.adapters.use(adapter.name)
+        except Exception as exc:  # noqa: BLE001 - vLLM's error for a load that failed
+            self._raise_if_dead(exc)
+            from vllm.entrypoints.serve.exception_handling.error_response import (
+                create_error_response)
+
+            return create_error_response(exc)
+        return None
+
+    async def _load_adapter(self, name: str) -> None:
+        """Load a registered adapter into the engine (vLLM evicts its least recently used)."""
+        await self._llm.add_lora(self._models.lora_requests[name])
+
+    async def loaded_adapters(self) -> list[str]:
+        """The adapters the engine holds now, by name (a round trip to the engine)."""
+        if self._llm is None or self._models is None:
+            return []
+        ids = await self._llm.list_loras()
+        return [name for name, request in self._models.lora_requests.items()
+                if request.lora_int_id in ids]
 
     async def _translate(self, result: Any) -> AsyncIterator[ReplyHead | bytes]:
         if hasattr(result, "__aiter__"):

@@ -20,6 +20,7 @@ class RouteRequest(msgspec.Struct, frozen=True):
 
     prompt_tokens: int = 0  # 0 when the prompt could not be read (routing falls back to load)
     block_size: int = 1
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -31,6 +32,8 @@ class Candidate(msgspec.Struct, frozen=True):
     TTFT model, fitted online (router/ttft_model.py). `cache_fill` is the demand on the
     replica's prefix cache relative to its capacity: blocks held, plus blocks stored recently,
     plus the prompt blocks queued there, over its KV blocks (0 when the capacity is unknown).
+    `adapter_load_s` is what loading the request's LoRA adapter there would add (0 where the
+    replica holds it, or for the base model; router/adapters.py).
     """
 
     replica: ReplicaId
@@ -43,22 +46,24 @@ class Candidate(msgspec.Struct, frozen=True):
     in_flight_cost_tokens: float = 128.0
     overhead_s: float = 0.0
     cache_fill: float = 0.0
+    adapter_load_s: float = 0.0
 
     def uncached_tokens(self, request: RouteRequest) -> int:
         return max(0, request.prompt_tokens - self.cached_tokens)
 
     def estimated_ttft_s(self, request: RouteRequest) -> float:
-        """Fixed overhead, plus the work ahead of the request and its own uncached prefill at the
-        replica's prefill throughput. Work ahead is the prefill queued there plus, for each
-        request in flight, `in_flight_cost_tokens` (its decode steps slow the prefill beside it).
+        """Fixed overhead and the adapter's load, plus the work ahead of the request and its own
+        uncached prefill at the replica's prefill throughput. Work ahead is the prefill queued
+        there plus, for each request in flight, `in_flight_cost_tokens` (its decode steps slow
+        the prefill beside it).
 
         Example: 3,000 tokens queued, 2 requests in flight at 128 tokens each, a 2,048-token
         prompt with 1,536 cached, 4,000 tokens/s, no overhead: (3,000 + 256 + 512) / 4,000 =
-        0.942 s.
+        0.942 s; 0.992 s where its adapter takes 0.05 s to load.
         """
         work = (self.queued_prefill_tokens + self.in_flight * self.in_flight_cost_tokens
                 + self.uncached_tokens(request))
-        return self.overhead_s + work / max(self.prefill_tokens_per_s, 1.0)
+        return self.overhead_s + self.adapter_load_s + work / max(self.prefill_tokens_per_s, 1.0)
 
     def estimated_delay_s(self, request: RouteRequest) -> float:
         """The waiting that placing the request here adds, summed over the replica's requests:

@@ -11,6 +11,8 @@ Formulas, for candidates c and request r (worked examples in each docstring):
                  own wait plus what its prefill makes the replica's requests wait
   cache_room     new * (1 + min fill) / (1 + c.cache_fill), where new is the share of the
                  prompt no candidate holds
+  adapter        1 where the replica holds the request's LoRA adapter (or it has none), else 0
+                 (ttft and delay count the adapter's measured load time instead)
 """
 
 from __future__ import annotations
@@ -126,6 +128,19 @@ class CacheRoomScorer:
         return [new * (1.0 + low) / (1.0 + c.cache_fill) for c in candidates]
 
 
+class AdapterScorer:
+    """Whether the replica holds the request's LoRA adapter: 1 if it does, or if the request
+    runs on the base model; 0 where the adapter would have to be loaded first.
+
+    Example: adapter x; a holds it, b does not (load 0.02 s) -> [1.0, 0.0].
+    """
+
+    name = "adapter"
+
+    def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        return [0.0 if c.adapter_load_s > 0 else 1.0 for c in candidates]
+
+
 class OverloadFilter:
     """Drops replicas with `max_in_flight` or more requests in flight, so no prefix, however hot,
     piles more onto a saturated replica; keeps everyone when all are saturated.
@@ -144,4 +159,5 @@ class OverloadFilter:
 
 
 SCORERS = {cls.name: cls for cls in (PrefixScorer, ApproxPrefixScorer, QueueScorer,
-                                     KVUsageScorer, TTFTScorer, CacheRoomScorer, DelayScorer)}
+                                     KVUsageScorer, TTFTScorer, CacheRoomScorer, DelayScorer,
+                                     AdapterScorer)}

@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from router.adapters import AdapterResidency
 from router.breaker import CircuitBreakers
 from router.event_sync import EventCredentials, ReplicaEventStream
 from router.events import KVEventBatch
@@ -45,8 +46,11 @@ class RoutingService:
                  in_flight_cost_tokens: float = 128.0,
                  event_credentials: EventCredentials | None = None,
                  breakers: CircuitBreakers | None = None,
+                 adapters: AdapterResidency | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool, self.policy = pool, policy
+        # None: adapters are ignored (requests hashed and placed as the base model's)
+        self.adapters = adapters
         self._breakers = breakers or CircuitBreakers(clock=clock)
         self._event_credentials = event_credentials
         self._hasher_factory, self._metrics, self._clock = hasher_factory, metrics, clock
@@ -76,17 +80,22 @@ class RoutingService:
         return next((v.block_size for v in self._views.values() if v.block_size), 0)
 
     def route_key(self, request_id: str, token_ids: Sequence[int] | None,
-                  cache_salt: str | None = None) -> RouteKey:
+                  cache_salt: str | None = None, lora: tuple[str, str] | None = None
+                  ) -> RouteKey:
         """The request's identity for routing; its prompt hashed as the engines will when the
-        policy uses prefixes (CPU work: call it off the event loop when it hashes)."""
+        policy uses prefixes (CPU work: call it off the event loop when it hashes). `lora` is
+        the request's adapter (name, path), which engines hash into every block."""
+        if self.adapters is None:
+            lora = None
+        adapter = lora[0] if lora else None
         block_size = self.block_size()
         if token_ids is None or not block_size or not self.policy.uses_prefixes:
-            return RouteKey(request_id, len(token_ids or ()), block_size, [])
+            return RouteKey(request_id, len(token_ids or ()), block_size, [], adapter)
         hasher = self._hashers.get(block_size)
         if hasher is None:
             hasher = self._hashers[block_size] = self._hasher_factory(block_size)
-        hashes = hasher.block_hashes(token_ids, cache_salt=cache_salt)
-        return RouteKey(request_id, len(token_ids), block_size, hashes)
+        hashes = hasher.block_hashes(token_ids, cache_salt=cache_salt, lora=lora)
+        return RouteKey(request_id, len(token_ids), block_size, hashes, adapter)
 
     def rank(self, key: RouteKey, replicas: Sequence[ReplicaId]) -> list[ReplicaId]:
         """Replicas in order of preference for the request (first is the choice); in a large
@@ -133,6 +142,8 @@ class RoutingService:
         cached = min(matched * key.block_size, key.prompt_tokens)
         self._breakers.answered(replica)
         self._tracker.dispatched(key.request_id, replica, key.prompt_tokens - cached)
+        if key.adapter is not None and self.adapters is not None:
+            self.adapters.dispatched(replica, key.adapter)
         if key.block_hashes:
             self._history.record(replica, key.block_hashes)
         if self._metrics is not None:
@@ -240,6 +251,7 @@ class RoutingService:
         tracker, views, now = self._tracker, self._views, self._clock()
         params, load = tracker.ttft_params, tracker.load
         prior = _PRIOR
+        adapter, adapters = key.adapter, self.adapters
         out = []
         for replica in replicas:
             view = views.get(replica)
@@ -257,6 +269,8 @@ class RoutingService:
                 overhead_s=model.overhead_s,
                 cache_fill=self._cache_fill(replica, view, queued // max(block, 1), now)
                 if room else 0.0,
+                adapter_load_s=adapters.load_cost_s(replica, adapter)
+                if adapter is not None and adapters is not None else 0.0,
             ))
         return out
 
@@ -361,6 +375,11 @@ class RoutingService:
         self._views = {v.replica: v for v in views}
         for replica in gone:
             self._unfollow(replica)
+        if self.adapters is not None:
+            for replica in gone:
+                self.adapters.forget(replica)
+            for view in views:
+                self.adapters.reported(view.replica, view.adapters, view.adapter_load_s)
         if self._follow_events:
             for view in views:
                 if view.kv_events_endpoint and view.replica not in self._tasks:
@@ -463,7 +482,7 @@ _PRIOR = TTFTParams(_DEFAULT.prefill_tokens_per_s, _DEFAULT.in_flight_cost_token
 
 
 def _request(key: RouteKey) -> RouteRequest:
-    return RouteRequest(key.prompt_tokens, key.block_size or 1)
+    return RouteRequest(key.prompt_tokens, key.block_size or 1, key.adapter)
 
 
 def _hex(block: Any) -> str:

@@ -16,6 +16,7 @@ class RouteKey(msgspec.Struct, frozen=True):
     prompt_tokens: int
     block_size: int
     block_hashes: list[EngineBlockHash]
+    adapter: str | None = None  # the LoRA adapter the request runs with (None: the base model)
 
 
 def target_id(replica: str, rank: int | None) -> ReplicaId:
@@ -43,3 +44,5 @@ class ReplicaView(msgspec.Struct, frozen=True):
     engine_prompt_tokens: int = 0  # prompt tokens the engine saw (computed + cached + pulled)
     host: str = ""  # the replica serving a rank ("" for a replica's whole engine)
     rank: int | None = None  # the data-parallel rank, or None: the whole engine
+    adapters: tuple[str, ...] = ()  # LoRA adapters the engine holds, least recently used first
+    adapter_load_s: float = 0.0  # its median adapter load time lately (0: none measured)

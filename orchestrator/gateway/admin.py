@@ -7,6 +7,7 @@ routing services when asked. With auth on, those that name tenants or show the c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections import Counter
@@ -17,6 +18,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from orchestrator.gateway import pool_metrics
+from orchestrator.gateway.adapters import AdapterCatalog, not_found
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.http import HttpRequest, Responder
@@ -31,14 +33,17 @@ Guard = Callable[[str | None], None]  # the Authorization header; raises Gateway
 # probes (/health, /ready, /-/healthz, /-/routes) stay open; the explain route takes a tenant key.
 ADMIN_ONLY = frozenset({"/metrics", "/tokenfab/pd", "/tokenfab/replicas", "/tokenfab/autoscaler",
                         "/tokenfab/router"})
+ADAPTERS = "/tokenfab/adapters"  # GET: list; POST: load one; DELETE /tokenfab/adapters/<name>
 _encode = msgspec.json.encode
 
 
 class Admin:
     def __init__(self, app: str, pools: Mapping[str, PoolDispatcher], directory: ReplicaDirectory,
                  peers: IngressPeers, replica_id: str, route_prefix: str,
-                 transfers: TransferMetrics | None, guard: Guard) -> None:
+                 transfers: TransferMetrics | None, guard: Guard,
+                 catalog: AdapterCatalog | None = None) -> None:
         self._app, self._pools, self._directory, self._guard = app, pools, directory, guard
+        self._catalog = catalog
         self._peers, self._replica_id = peers, replica_id
         self._route_prefix, self._transfers = route_prefix, transfers
         self._gets: dict[str, Callable[[Responder], Awaitable[None]]] = {
@@ -60,6 +65,13 @@ class Admin:
                 except GatewayError as exc:
                     return exc.send(responder)
             return await route(responder)
+        if path == ADAPTERS or path.startswith(ADAPTERS + "/"):
+            try:
+                self._guard(request.headers.get("authorization"))
+                return await self._adapters(path.removeprefix(ADAPTERS).strip("/"), request,
+                                            responder)
+            except GatewayError as exc:
+                return exc.send(responder)
         if path.startswith("/tokenfab/route/"):
             if request.method != "POST":
                 return send_error(responder, 405, "Method Not Allowed")
@@ -128,6 +140,47 @@ class Admin:
                         "replicas": p.service.replicas()} for name, p in self._pools.items()}
         responder.send(200, _encode({"ingress": {"pid": os.getpid(), "replica": self._replica_id},
                                      "pools": pools}))
+
+    async def _adapters(self, name: str, request: HttpRequest, responder: Responder) -> None:
+        """The model's adapters (admin only): GET lists them, each with the replicas that hold
+        it now; POST {"name", "path", "tenants"} loads one at run time (every ingress replica
+        serves it within a read of the registry, about a second; engines load it when a
+        request first needs it there); DELETE .../<name> unloads one loaded at run time."""
+        catalog, method = self._catalog, request.method
+        if catalog is None:
+            return send_error(responder, 404, "Not Found")
+        if method == "GET" and not name:
+            return responder.send(200, _encode(await self._adapter_list(catalog)))
+        if method == "POST" and not name:
+            try:
+                body = msgspec.json.decode(request.body)
+            except msgspec.DecodeError as exc:
+                raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
+            record = await asyncio.to_thread(catalog.check_new, body)  # reads its config file
+            await self._directory.add_adapter(record)
+            catalog.add(record)
+            logger.info("adapter %s loaded from %s (tenants: %s)", record.name, record.path,
+                        record.tenants or "all")
+            return responder.send(200, _encode(msgspec.to_builtins(record)))
+        if method == "DELETE" and name:
+            if catalog.declared(name):
+                raise GatewayError(409, f"adapter {name!r} is declared in the topology: remove "
+                                   "it there", "name", code="adapter_declared")
+            if name not in {r.name for r in await self._directory.adapters()}:
+                raise not_found(name)
+            await self._directory.remove_adapter(name)
+            catalog.remove(name)
+            logger.info("adapter %s unloaded", name)
+            return responder.send(200, _encode({"name": name, "unloaded": True}))
+        send_error(responder, 405, "Method Not Allowed")
+
+    async def _adapter_list(self, catalog: AdapterCatalog) -> list[dict[str, Any]]:
+        reports = await self._directory.snapshot()
+        declared = {r.name for r in catalog.model.adapters}
+        return [msgspec.to_builtins(record) | {
+            "declared": record.name in declared,
+            "held_by": [r.replica_id for r in reports if record.name in r.adapters]}
+            for record in catalog.records()]
 
     async def _explain(self, endpoint: str, request: HttpRequest, responder: Responder,
                        explain: Explain) -> None:

@@ -23,7 +23,7 @@ from channel.frames import Head, Refused, Request
 from channel.local import LocalLink
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from pools.engine import LoadSnapshot
-from pools.registry import IngressReport, Registry, ReplicaReport
+from pools.registry import AdapterRecord, IngressReport, Registry, ReplicaReport
 from router.index import ReplicaId
 from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey, target_id
@@ -61,6 +61,7 @@ def _view(report: ReplicaReport, target: ReplicaId, load: LoadSnapshot, events: 
         engine_prompt_tokens=load.prompt_tokens_computed + load.prompt_tokens_local_hit
         + load.prompt_tokens_transferred,
         host=report.replica_id if rank is not None else "", rank=rank,
+        adapters=tuple(report.adapters), adapter_load_s=report.adapter_load_s,
     )
 
 
@@ -72,10 +73,24 @@ class ReplicaDirectory:
         self._refresh_s = refresh_s
         self._registry = Registry(app)
         self._listeners: dict[str, list[Callable[[list[ReplicaReport]], None]]] = {}
+        self._adapter_listener: Callable[[list[AdapterRecord]], None] | None = None
         self._poked: asyncio.Event | None = None
 
     def listen(self, pool: str, listener: Callable[[list[ReplicaReport]], None]) -> None:
         self._listeners.setdefault(pool, []).append(listener)
+
+    def listen_adapters(self, listener: Callable[[list[AdapterRecord]], None]) -> None:
+        """Hand `listener` the adapters loaded at run time after every read of the registry."""
+        self._adapter_listener = listener
+
+    async def adapters(self, timeout_s: float = 2.0) -> list[AdapterRecord]:
+        return await asyncio.wait_for(self._registry.adapters(), timeout_s)
+
+    async def add_adapter(self, record: AdapterRecord, timeout_s: float = 2.0) -> None:
+        await asyncio.wait_for(self._registry.add_adapter(record), timeout_s)
+
+    async def remove_adapter(self, name: str, timeout_s: float = 2.0) -> None:
+        await asyncio.wait_for(self._registry.remove_adapter(name), timeout_s)
 
     async def snapshot(self, timeout_s: float = 2.0) -> list[ReplicaReport]:
         """Every replica's latest report, read now (raises if the registry does not answer)."""
@@ -113,6 +128,11 @@ class ReplicaDirectory:
                     own = [r for r in reports if r.pool == pool]
                     for listener in listeners:
                         listener(own)
+            if self._adapter_listener is not None:
+                try:
+                    self._adapter_listener(await self.adapters())
+                except Exception as exc:  # noqa: BLE001 - keep serving the adapters we know
+                    logger.warning("adapter registry unavailable: %r", exc)
             self._poked.clear()
             try:
                 await asyncio.wait_for(self._poked.wait(), self._refresh_s)

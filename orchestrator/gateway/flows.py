@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 
 from channel.client import LinkLost, ReplyFailed, ReplyStream
-from channel.frames import Request, Usage
+from channel.frames import AdapterRef, Request, Usage
 from orchestrator.gateway.dispatch import PoolDispatcher
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from orchestrator.gateway.migration import continuation_body, not_resumable
@@ -45,8 +45,8 @@ class Flow(Protocol):
     def needs_tokens(self) -> bool:
         """Whether `keys` and `serve` read the prompt's token ids."""
 
-    def keys(self, request_id: str, tokens: list[int] | None,
-             salt: str | None) -> dict[str, RouteKey]: ...
+    def keys(self, request_id: str, tokens: list[int] | None, salt: str | None,
+             adapter: AdapterRef | None = None) -> dict[str, RouteKey]: ...
 
     async def serve(self, call: Call, keys: dict[str, RouteKey]) -> Usage | None:
         """Answer the call (or raise GatewayError before any byte of an answer was sent); the
@@ -60,8 +60,19 @@ def client_salt(body: dict[str, Any]) -> str | None:
 
 
 def _keys(pools: Mapping[str, PoolDispatcher], request_id: str, tokens: list[int] | None,
-          salt: str | None) -> dict[str, RouteKey]:
-    return {name: pool.service.route_key(request_id, tokens, salt) for name, pool in pools.items()}
+          salt: str | None, adapter: AdapterRef | None) -> dict[str, RouteKey]:
+    lora = (adapter.name, adapter.path) if adapter is not None else None
+    return {name: pool.service.route_key(request_id, tokens, salt, lora)
+            for name, pool in pools.items()}
+
+
+def cache_key(call: Call) -> str | None:
+    """What, besides the tokens, keeps one prompt's KV cache apart from another's: the cache
+    salt and the adapter (engines hash both into every block)."""
+    salt, adapter = client_salt(call.body), call.adapter
+    if adapter is None:
+        return salt
+    return f"{salt or ''}\0lora\0{adapter.name}\0{adapter.path}"
 
 
 async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, Any]
@@ -75,7 +86,7 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
     resumable = pool.migrate and not_resumable(call.endpoint, body) is None
     if resumable and "request_id" not in body:
         body = body | {"request_id": call.request_id}  # chunk ids stay the same when continued
-    request = Request(call.endpoint, _encode(body), track_tokens=resumable)
+    request = Request(call.endpoint, _encode(body), track_tokens=resumable, adapter=call.adapter)
     clock = TokenClock(call, lambda: pool.service.first_token(key.request_id))
     failed: set[str] = set()
     sent: list[int] = []  # the tokens the client has
@@ -102,7 +113,7 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
             if resumable and retry:
                 pool.service.migration("resumed")
                 request = Request(call.endpoint, _encode(continuation_body(body)),
-                                  track_tokens=True, resume=tuple(sent))
+                                  track_tokens=True, resume=tuple(sent), adapter=call.adapter)
                 continue
             pool.service.migration("exhausted" if resumable else "not_resumable")
             end_in_stream(call, exc)
@@ -125,9 +136,9 @@ class UnifiedFlow:
     def needs_tokens(self) -> bool:
         return self._pool.service.policy.uses_prefixes
 
-    def keys(self, request_id: str, tokens: list[int] | None,
-             salt: str | None) -> dict[str, RouteKey]:
-        return _keys(self.pools, request_id, tokens, salt)
+    def keys(self, request_id: str, tokens: list[int] | None, salt: str | None,
+             adapter: AdapterRef | None = None) -> dict[str, RouteKey]:
+        return _keys(self.pools, request_id, tokens, salt, adapter)
 
     async def serve(self, call: Call, keys: dict[str, RouteKey]) -> Usage | None:
         return await _leg(self._pool, call, keys[self._pool.pool], call.body)
@@ -149,9 +160,9 @@ class DisaggregatedFlow:
     def needs_tokens(self) -> bool:
         return True
 
-    def keys(self, request_id: str, tokens: list[int] | None,
-             salt: str | None) -> dict[str, RouteKey]:
-        return _keys(self.pools, request_id, tokens, salt)
+    def keys(self, request_id: str, tokens: list[int] | None, salt: str | None,
+             adapter: AdapterRef | None = None) -> dict[str, RouteKey]:
+        return _keys(self.pools, request_id, tokens, salt, adapter)
 
     async def serve(self, call: Call, keys: dict[str, RouteKey]) -> Usage | None:
         params = None
@@ -162,7 +173,7 @@ class DisaggregatedFlow:
                 return params
         self.metrics.path("disaggregated" if params else "decode_only")
         if call.tokens and self._on_decode is not None:
-            self._on_decode.record(call.tokens, client_salt(call.body))  # decode holds them
+            self._on_decode.record(call.tokens, cache_key(call))  # decode holds them
         return await _leg(self._decode, call, decode_key, decode_body(call.body, params))
 
     def _worth_disaggregating(self, call: Call, decode_key: RouteKey) -> bool:
@@ -178,7 +189,7 @@ class DisaggregatedFlow:
 
         def cached_on_decode() -> int:
             if self._on_decode is not None:
-                return self._on_decode.cached_tokens(tokens, client_salt(call.body))
+                return self._on_decode.cached_tokens(tokens, cache_key(call))
             return self._decode.service.cached_tokens(decode_key) or 0
 
         reason = skip_prefill(len(tokens), cached_on_decode, self._spec.min_prompt_tokens)
@@ -193,7 +204,7 @@ class DisaggregatedFlow:
         started = time.monotonic()
         pool = self._prefill
         deadline = min(call.deadline, started + self._spec.prefill_timeout_s)
-        request = Request(call.endpoint, _encode(prefill_body(call.body)))
+        request = Request(call.endpoint, _encode(prefill_body(call.body)), adapter=call.adapter)
         try:
             stream, head = await pool.open(request, key, deadline)
             call.reached_engine = True

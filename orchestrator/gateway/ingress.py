@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from channel.local import LocalLink
 from channel.secret import channel_secret, event_keys
+from orchestrator.gateway.adapters import AdapterCatalog
 from orchestrator.gateway.admin import Admin
 from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
@@ -33,6 +34,7 @@ from kvtransfer.metrics import TransferMetrics
 from orchestrator.config import PoolSpec, Topology, routing_policy
 from pools.registry import ReplicaReport
 from pools.tokenizer import PromptTokenCounter
+from router.adapters import AdapterResidency
 from router.breaker import CircuitBreakers
 from router.event_sync import EventCredentials
 from router.hashing import PrefixBlockHasher
@@ -58,8 +60,10 @@ def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
     def hasher(block_size: int) -> PrefixBlockHasher:
         return PrefixBlockHasher(block_size, hash_algo)
 
+    lora = topology.model.lora
+    adapters = AdapterResidency(lora.resident) if lora and spec.adapters == "aware" else None
     return RoutingService(
-        pool.name, policy, hasher, metrics,
+        pool.name, policy, hasher, metrics, adapters=adapters,
         follow_events=topology.kv_events.enabled,
         max_index_entries=spec.max_index_entries, history_ttl_s=spec.history_ttl_s,
         max_history_entries=spec.max_history_entries,
@@ -154,9 +158,17 @@ class Ingress:
 
         self._peers = IngressPeers(replica_id, secret, own_series, self._directory)
         await self._peers.start(ray.util.get_node_ip_address())
+        catalog = AdapterCatalog(topology_.model, {t.name for t in topology_.tenants})
+        if catalog.enabled:
+            self._directory.listen_adapters(catalog.update)
+            try:
+                catalog.update(await self._directory.adapters())
+            except Exception as exc:  # noqa: BLE001 - the next read of the registry brings them
+                logger.warning("gateway %s: adapter registry unavailable: %r", replica_id, exc)
         admin = Admin(topology_.name, self._pools, self._directory, self._peers, replica_id,
-                      gateway.route_prefix, transfers, tenants.authenticate_admin)
-        self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter)
+                      gateway.route_prefix, transfers, tenants.authenticate_admin, catalog)
+        self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter,
+                                       catalog)
         self._server = HttpServer(routes.handle, gateway.max_body_bytes)
         if gateway.colocate:  # every replica of the pool is an ingress: they share the limits
             def count(reports: list[ReplicaReport]) -> None:

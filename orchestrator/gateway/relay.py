@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from channel.client import LinkLost, ReplyFailed, ReplyStream
-from channel.frames import Head, Usage
+from channel.frames import AdapterRef, Head, Usage
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from orchestrator.gateway.http import Responder
 
@@ -37,6 +37,7 @@ class Call:
     reached_engine: bool = False  # a replica took it: from then on its work may have been done
     stream_error: int | None = None  # status of an error sent in-stream, after a 200 head
     echo_id: str | None = None  # the client's `x-request-id`, echoed back (request_id holds it)
+    adapter: AdapterRef | None = None  # the LoRA adapter the body's `model` names
 
     @property
     def deadline(self) -> float:

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from orchestrator.gateway.adapters import AdapterCatalog
 from orchestrator.gateway.admin import Admin
 from orchestrator.gateway.dispatch import NO_REPLICA, OVERLOADED
 from orchestrator.gateway.admission import Admission
@@ -30,6 +31,7 @@ from orchestrator.gateway.metrics import UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.gateway.relay import Call
 from orchestrator.config import Topology
 from pools.tokenizer import PromptError, PromptTokenCounter
+from channel.frames import AdapterRef
 from router.wire import RouteKey
 
 # Under Serve's logger, so lines land in the replica's log with Serve's own.
@@ -136,8 +138,10 @@ class Routes:
     """Answers every request of one ingress replica's HTTP server."""
 
     def __init__(self, topology: Topology, admission: Admission, flow: Flow,
-                 metrics: GatewayMetrics, admin: Admin, counter: PromptTokenCounter) -> None:
+                 metrics: GatewayMetrics, admin: Admin, counter: PromptTokenCounter,
+                 catalog: AdapterCatalog) -> None:
         self._topology, self._admission, self._flow = topology, admission, flow
+        self._catalog = catalog
         self._metrics, self._admin, self._counter = metrics, admin, counter
         self._prefix = topology.gateway.route_prefix.rstrip("/")
         self._timeout_s = topology.gateway.request_timeout_s
@@ -160,14 +164,13 @@ class Routes:
         if path == "/v1/models":
             if request.method != "GET":
                 return send_error(responder, 405, "Method Not Allowed")
-            return responder.send(200, msgspec.json.encode(self._models()))
+            try:  # private adapters show to their tenants only: who asks matters
+                spec = self._admission.authenticate(request.headers.get("authorization"))
+            except GatewayError as exc:
+                return exc.send(responder)
+            return responder.send(200, msgspec.json.encode(
+                {"object": "list", "data": self._catalog.cards(spec, self._created)}))
         await self._admin.handle(path, request, responder, self.explain)
-
-    def _models(self) -> dict[str, Any]:
-        model = self._topology.model
-        card = {"id": model.name, "object": "model", "created": self._created,
-                "owned_by": "tokenfab", "root": model.path, "max_model_len": model.max_model_len}
-        return {"object": "list", "data": [card]}
 
     async def openai(self, endpoint: str, request: HttpRequest, responder: Responder) -> None:
         started = time.monotonic()
@@ -178,13 +181,16 @@ class Routes:
         try:
             spec = self._admission.authenticate(request.headers.get("authorization"))
             tenant = spec.name
-            body = self._admission.shape(spec, endpoint, self.read_body(request))
-            prompts, keys = await self._prepare(request_id, endpoint, body, len(request.body))
+            body = self.read_body(request)
+            adapter = self._catalog.resolve(spec, body["model"])
+            body = self._admission.shape(spec, endpoint, body)
+            prompts, keys = await self._prepare(request_id, endpoint, body, len(request.body),
+                                                adapter)
             ticket = await self._admission.admit(spec, endpoint, body, prompts)
             if self._send_token_ids:
                 body = engine_body(endpoint, body, prompts)
             call = Call(request_id, endpoint, body, _single(prompts), responder, started,
-                        self._timeout_s, echo_id=client_id)
+                        self._timeout_s, echo_id=client_id, adapter=adapter)
             usage = await self._flow.serve(call, keys)
         except GatewayError as exc:
             # no replica took it, on any leg: it costs the tenant nothing. A 504 or a client
@@ -217,27 +223,30 @@ class Routes:
         model = body.get("model")
         if model is None:
             raise GatewayError(400, "model: field required", "model")
-        if model != self._topology.model.name:
-            raise GatewayError(404, f"The model `{model}` does not exist.", "model")
+        if not isinstance(model, str):
+            raise GatewayError(400, "model: expected a string", "model")
         if "kv_transfer_params" in body:  # it names engines and blocks: other tenants' KV
             raise GatewayError(400, "kv_transfer_params: set by the gateway between its pools; "
                                "a request may not carry it", "kv_transfer_params")
         return body
 
     async def _prepare(self, request_id: str, endpoint: str, body: dict[str, Any],
-                       size: int) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
+                       size: int, adapter: AdapterRef | None = None
+                       ) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
         """Each prompt's token ids (if anything reads them) and the flow's route keys. A body
         of `size` bytes up to INLINE_TOKENIZE_BYTES is counted on the loop: the hop to a thread
         and back costs more than its tokens (see INLINE_TOKENIZE_BYTES)."""
         salt = client_salt(body)
         if not self._needs_tokens:
-            return None, self._flow.keys(request_id, None, salt)
+            return None, self._flow.keys(request_id, None, salt, adapter)
         if size <= INLINE_TOKENIZE_BYTES:
-            return self._tokens_and_keys(request_id, endpoint, body, salt)
-        return await asyncio.to_thread(self._tokens_and_keys, request_id, endpoint, body, salt)
+            return self._tokens_and_keys(request_id, endpoint, body, salt, adapter)
+        return await asyncio.to_thread(self._tokens_and_keys, request_id, endpoint, body, salt,
+                                       adapter)
 
     def _tokens_and_keys(self, request_id: str, endpoint: str, body: dict[str, Any],
-                         salt: str | None) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
+                         salt: str | None, adapter: AdapterRef | None = None
+                         ) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
         """Where limits read the prompt, counting fails closed: a prompt that cannot be read is
         refused (400, naming the field), and a tokenizer that fails refuses the request (503),
         never admits it uncounted. Where only routing reads it, such a request (an image part,
@@ -254,7 +263,7 @@ class Routes:
                 raise GatewayError(503, "the gateway could not count the prompt's tokens; "
                                    "retry", code="tokenizer_unavailable") from None
             prompts = None
-        return prompts, self._flow.keys(request_id, _single(prompts), salt)
+        return prompts, self._flow.keys(request_id, _single(prompts), salt, adapter)
 
     async def explain(self, endpoint: str, request: HttpRequest) -> dict[str, Any]:
         """How each pool would place this request now (`/tokenfab/route/...`), as the caller's
@@ -262,9 +271,11 @@ class Routes:
         carries (401 without one, where auth is on), so the answer shows only the caller's own
         cache, never another tenant's."""
         spec = self._admission.authenticate(request.headers.get("authorization"))
-        body = self._admission.shape(spec, endpoint, self.read_body(request))
+        body = self.read_body(request)
+        adapter = self._catalog.resolve(spec, body["model"])
+        body = self._admission.shape(spec, endpoint, body)
         _, keys = await asyncio.to_thread(self._tokens_and_keys, "explain", endpoint, body,
-                                          client_salt(body))
+                                          client_salt(body), adapter)
         explained = {pool: dispatcher.service.explain(keys[pool])
                      for pool, dispatcher in self._flow.pools.items()}
         if self._topology.auth.enabled:  # the replicas' load is other tenants' traffic

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # say so, for this process and the ones it starts, or they are refused ("InvalidAuthToken").
 if cluster.ray_auth_headers():
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+LORA_TOPOLOGY = ROOT / "tests/integration/topology-lora.yaml"
 TOPOLOGY = ROOT / "tests/integration/topology.yaml"
 TOKENFAB = str(Path(sys.executable).with_name("tokenfab"))
 
@@ -110,6 +111,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _run([TOKENFAB, "model", "tiny", "--out", topology.model.resolved_path, "--if-missing"], 120)
     out = tmp_path_factory.mktemp("reference") / "reference.json"
     _run([sys.executable, "-m", "tests.integration.reference", str(TOPOLOGY), str(out)], 600)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def lora_reference(tmp_path_factory: pytest.TempPathFactory, reference: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """Greedy outputs of a bare vLLM engine running topology-lora.yaml's declared adapters
+    (vLLM's own LoRARequest), with the suite's engine settings: `adapters[name][i]` is
+    PROMPTS[i] under that adapter."""
+    out = tmp_path_factory.mktemp("lora-reference") / "reference.json"
+    _run([sys.executable, "-m", "tests.integration.reference", str(LORA_TOPOLOGY), str(out)], 600)
     return json.loads(out.read_text())
 
 

@@ -27,13 +27,17 @@ def main(topology_path: str, out: str) -> None:
     from tests.integration.cases import CHATS, FALLBACK, PROMPTS
 
     topology = load_topology(topology_path)
-    pool = topology.pools[0]
+    pool, lora = topology.pools[0], topology.model.lora
+    lora_args = {} if lora is None else {
+        "enable_lora": True, "max_loras": lora.max_loras, "max_cpu_loras": lora.resident,
+        "max_lora_rank": lora.max_rank}
     llm = LLM(
         model=topology.model.resolved_path,
         dtype=topology.model.dtype,
         max_model_len=topology.model.max_model_len,
         kv_cache_memory_bytes=pool.resources.kv_cache_bytes,
         enable_prefix_caching=True,
+        **lora_args,
         **(topology.engine_args | pool.engine_args),
     )
 
@@ -48,8 +52,30 @@ def main(topology_path: str, out: str) -> None:
         "fallback": _record(llm.generate([FALLBACK.prompt], greedy(FALLBACK.max_tokens),
                                          use_tqdm=False)),
     }
+    if lora is not None:  # each declared adapter's outputs, with vLLM's own LoRARequest
+        results["adapters"] = adapter_outputs(llm, topology, greedy)
     with open(out, "w") as f:
         json.dump(results, f)
+
+
+def adapter_outputs(llm, topology, greedy) -> dict:
+    from pathlib import Path
+
+    from vllm.lora.request import LoRARequest
+
+    from pools.tiny_lora import ensure_tiny_adapter
+    from tests.integration.cases import PROMPTS
+
+    outputs = {}
+    for number, adapter in enumerate(topology.model.adapters, start=1):
+        if adapter.generate is not None:
+            ensure_tiny_adapter(Path(topology.model.resolved_path), Path(adapter.resolved_path),
+                                adapter.generate)
+        request = LoRARequest(adapter.name, number, adapter.resolved_path)
+        outputs[adapter.name] = [
+            _record(llm.generate([c.prompt], greedy(c.max_tokens), lora_request=request,
+                                 use_tqdm=False)) for c in PROMPTS]
+    return outputs
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def test_no_cycles_between_packages() -> None:
     assert cycles == [], {p: sorted(edges[p]) for p in cycles}
 
 
-TOPOLOGY_SCHEMA = {"orchestrator.config", "orchestrator.tenant_config", "orchestrator.strict"}
+TOPOLOGY_SCHEMA = {"orchestrator.config", "orchestrator.tenant_config", "orchestrator.strict",
+                   "orchestrator.adapter_config"}
 
 
 def test_the_request_path_reads_only_the_schema_of_the_control_plane() -> None:

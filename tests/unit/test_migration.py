@@ -287,7 +287,7 @@ class _Engine:
     def __init__(self, steps: list[tuple[int, str]], fail_after: int | None = None) -> None:
         self.steps, self.fail_after = steps, fail_after
 
-    async def reply(self, endpoint, body, trace, rank):
+    async def reply(self, endpoint, body, trace, rank, adapter=None):
         yield ReplyHead(200, streaming=True)
         for n, (token, text) in enumerate(self.steps):
             if n == self.fail_after:

@@ -1,0 +1,214 @@
+"""LoRA adapters through the gateway on a real engine (topology-lora.yaml): outputs equal vLLM's
+own with the same LoRARequest, caches kept apart by adapter, adapters loaded and unloaded at run
+time on every ingress replica, private adapters, the admin route's answers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from orchestrator.config import Topology
+from orchestrator.status import ADMIN_KEY_ENV, gateway_url
+from pools.tiny_lora import adapter_name
+from tests.integration.cases import PROMPTS
+from tests.integration.conftest import LORA_TOPOLOGY, ROOT, TOKENFAB, up
+
+MODEL = "tiny"
+ALPHA, BETA, ADMIN = "alpha-key", "beta-key", "admin-key"
+# Several KV blocks (128 tokens on CPU), unique to this module
+LONG_PROMPT = "adapter cache probe: " + " ".join(f"word{i % 89} stone" for i in range(300))
+RUNTIME = 3  # the tiny adapter loaded at run time (lora-3); the topology declares 0, 1 and 2
+
+
+@pytest.fixture(scope="module")
+def lora(ray_cluster, lora_reference: dict[str, Any]) -> Topology:
+    with up(LORA_TOPOLOGY) as topology:
+        yield topology
+
+
+@pytest.fixture(scope="module")
+def root(lora: Topology) -> str:
+    return gateway_url(lora)
+
+
+def _post(root: str, key: str | None, body: dict[str, Any], path: str = "/v1/completions",
+          client: httpx.Client | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    if client is not None:
+        return client.post(f"{root}{path}", json=body, headers=headers)
+    return httpx.post(f"{root}{path}", json=body, headers=headers, trust_env=False, timeout=120)
+
+
+def _get(root: str, key: str | None, path: str) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(f"{root}{path}", headers=headers, trust_env=False, timeout=30)
+
+
+def _complete(root: str, model: str, prompt: str, max_tokens: int, key: str = ALPHA
+              ) -> dict[str, Any]:
+    response = _post(root, key, {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                 "temperature": 0, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize("adapter", ["lora-0", "lora-1", "alpha-private"])
+@pytest.mark.parametrize("index", range(3), ids=[p.id for p in PROMPTS[:3]])
+def test_adapter_output_equals_vllm_with_the_same_lora_request(
+        root: str, lora_reference: dict[str, Any], adapter: str, index: int) -> None:
+    case, expected = PROMPTS[index], lora_reference["adapters"][adapter][index]
+    answer = _complete(root, adapter, case.prompt, case.max_tokens)
+    assert answer["choices"][0]["token_ids"] == expected["token_ids"]
+    assert answer["model"] == adapter
+
+
+def test_adapters_change_the_output_and_the_base_model_is_untouched(
+        root: str, reference: dict[str, Any], lora_reference: dict[str, Any]) -> None:
+    case = PROMPTS[1]
+    base = _complete(root, MODEL, case.prompt, case.max_tokens)["choices"][0]["token_ids"]
+    assert base == reference["prompts"][1]["token_ids"]  # the engine without LoRA
+    outputs = {name: runs[1]["token_ids"] for name, runs in lora_reference["adapters"].items()}
+    assert len({tuple(ids) for ids in [base, *outputs.values()]}) == 1 + len(outputs)
+
+
+def _cached(root: str, model: str) -> int:
+    answer = _complete(root, model, LONG_PROMPT, 2)
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_prefix_cached_under_one_adapter_is_no_hit_for_another(root: str) -> None:
+    assert _cached(root, "lora-0") == 0
+    assert _cached(root, "lora-0") >= 128  # the engine's own count: whole blocks
+    assert _cached(root, "lora-1") == 0
+    assert _cached(root, MODEL) == 0
+    assert _cached(root, "lora-1") >= 128
+
+
+def test_the_router_keys_its_block_map_by_adapter(root: str) -> None:
+    """The router's explain answer for the prompt cached above: blocks held under lora-0 and
+    lora-1, none under alpha-private (never sent), as the engine's KV events told it."""
+
+    def held(model: str) -> int:
+        answer = _post(root, ALPHA, {"model": model, "prompt": LONG_PROMPT, "max_tokens": 2},
+                       path="/tokenfab/route/completions")
+        assert answer.status_code == 200, answer.text
+        return max(c["cached_tokens"] for c in answer.json()["main"]["candidates"])
+
+    deadline = time.monotonic() + 10
+    while held("lora-0") < 128 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the events reach the router within a moment
+    assert held("lora-0") >= 128 and held("lora-1") >= 128
+    assert held("alpha-private") == 0
+
+
+def test_a_private_adapter_does_not_exist_for_other_tenants(root: str) -> None:
+    body = {"prompt": "Hello", "max_tokens": 2}
+    hidden = _post(root, BETA, body | {"model": "alpha-private"})
+    unknown = _post(root, BETA, body | {"model": "alpha-nothing"})
+    assert (hidden.status_code, unknown.status_code) == (404, 404)
+    assert hidden.json()["error"] | {"message": ""} == unknown.json()["error"] | {"message": ""}
+    assert "alpha-private" in hidden.json()["error"]["message"]
+    assert _post(root, ALPHA, body | {"model": "alpha-private"}).status_code == 200
+    assert _post(root, BETA, body | {"model": "lora-0"}).status_code == 403  # not in its models
+    assert _post(root, BETA, body | {"model": "lora-1"}).status_code == 200
+
+
+def test_models_lists_what_each_tenant_may_use_with_parents(root: str) -> None:
+    def listed(key: str | None) -> dict[str, Any]:
+        response = _get(root, key, "/v1/models")
+        assert response.status_code == 200, response.text
+        return {card["id"]: card["parent"] for card in response.json()["data"]}
+
+    assert listed(ALPHA) == {MODEL: None, "lora-0": MODEL, "lora-1": MODEL,
+                             "alpha-private": MODEL}
+    assert listed(BETA) == {MODEL: None, "lora-1": MODEL}
+    assert _get(root, None, "/v1/models").status_code == 401
+
+
+def _tokenfab(*args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {ADMIN_KEY_ENV: ADMIN}
+    return subprocess.run([TOKENFAB, *args], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)
+
+
+def _served_by_every_ingress(root: str, model: str, status: int, replicas: int,
+                             within_s: float) -> float:
+    """Seconds until each ingress replica answered a request for `model` with `status`: fresh
+    connections land on the replicas at random; each asks the replica's id, then `model`."""
+    started, answered = time.monotonic(), set()
+    while len(answered) < replicas:
+        assert time.monotonic() - started < within_s, f"only {answered} within {within_s} s"
+        with httpx.Client(trust_env=False, timeout=60) as client:  # one connection: one replica
+            router = client.get(f"{root}/tokenfab/router",
+                                headers={"authorization": f"Bearer {ADMIN}"})
+            ingress = router.json()["ingress"]["replica"]
+            response = _post(root, ALPHA, {"model": model, "prompt": "Hi", "max_tokens": 1},
+                             client=client)
+        if response.status_code == status:
+            answered.add(ingress)
+        else:
+            time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_an_adapter_loaded_at_run_time_is_served_by_every_ingress_then_unloaded(
+        root: str, lora: Topology) -> None:
+    base = lora.model.resolved_path
+    made = _tokenfab("model", "tiny", "--out", base, "--if-missing", "--lora", str(RUNTIME + 1))
+    assert made.returncode == 0, made.stderr
+    path = f"{base}-lora/{adapter_name(RUNTIME)}"
+    name = "runtime-3"
+    assert _post(root, ALPHA, {"model": name, "prompt": "Hi", "max_tokens": 1}).status_code == 404
+    loaded = _tokenfab("adapter", "load", name, path, "--app", lora.name,
+                       "--dashboard", lora.cluster.dashboard_url)
+    assert loaded.returncode == 0, loaded.stderr
+    seconds = _served_by_every_ingress(root, name, 200, lora.gateway.replicas, within_s=5)
+    listed = _tokenfab("adapter", "list", "--app", lora.name, "--dashboard",
+                       lora.cluster.dashboard_url)
+    assert name in listed.stdout and path in listed.stdout, listed.stdout
+    unloaded = _tokenfab("adapter", "unload", name, "--app", lora.name, "--dashboard",
+                         lora.cluster.dashboard_url)
+    assert unloaded.returncode == 0, unloaded.stderr
+    _served_by_every_ingress(root, name, 404, lora.gateway.replicas, within_s=5)
+    again = _tokenfab("adapter", "unload", name, "--app", lora.name, "--dashboard",
+                      lora.cluster.dashboard_url)
+    assert again.returncode == 1 and "404" in again.stderr
+    print(f"served by every ingress {seconds:.2f} s after the load")
+
+
+def test_the_admin_route_checks_who_asks_and_what_is_loaded(root: str) -> None:
+    route = "/tokenfab/adapters"
+    body = {"name": "another", "path": "/nonexistent/adapter"}
+    assert _post(root, None, body, path=route).status_code == 401
+    assert _post(root, ALPHA, body, path=route).status_code == 403
+    missing = _post(root, ADMIN, body, path=route)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "path"
+    taken = _post(root, ADMIN, {"name": "lora-0", "path": "/tmp"}, path=route)
+    assert taken.status_code == 409 and taken.json()["error"]["param"] == "name"
+    stranger = _post(root, ADMIN, body | {"tenants": ["nobody"]}, path=route)
+    assert stranger.status_code == 400 and stranger.json()["error"]["param"] == "tenants"
+    extra = _post(root, ADMIN, body | {"rank": 8}, path=route)
+    assert extra.status_code == 400 and extra.json()["error"]["param"] == "rank"
+    declared = httpx.delete(f"{root}{route}/lora-0", headers={"authorization": f"Bearer {ADMIN}"},
+                            trust_env=False)
+    assert declared.status_code == 409
+
+
+def test_replicas_report_the_adapters_they_hold(root: str) -> None:
+    _complete(root, "lora-1", "Residency probe", 1)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        listed = {row["name"]: row for row in _get(root, ADMIN, "/tokenfab/adapters").json()}
+        if listed["lora-1"]["held_by"]:
+            break
+        time.sleep(0.2)
+    assert listed["lora-1"]["held_by"], listed
+    assert listed["alpha-private"]["tenants"] == ["alpha"] and listed["lora-1"]["declared"]
+    [report] = _get(root, ADMIN, "/tokenfab/replicas").json()
+    assert report["adapter_loads"] >= 3 and report["adapter_load_s"] > 0
+    assert len(report["adapters"]) <= 2  # max_cpu_loras defaults to max_loras: 2
