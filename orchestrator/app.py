@@ -13,7 +13,8 @@ from ray.serve import Application
 
 from orchestrator.gateway.colocated import PoolReplicaWithIngress
 from orchestrator.gateway.ingress import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_TIMEOUT_S, Gateway
-from orchestrator.config import PoolSpec, Topology, parse_topology, pool_deployment_name
+from orchestrator.config import (ModelSpec, PoolSpec, Topology, parse_topology,
+                                 pool_deployment_name)
 from pools.deployment import PoolReplica, ReplicaSettings
 from pools.engine import EngineSpec, LoraSettings
 from tokenfab.errors import TopologyError
@@ -33,7 +34,7 @@ REPLICA_ENV = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "0",
 
 
 def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:
-    model = topology.model
+    model = topology.model_of(pool)
     return EngineSpec(
         model_name=model.name,
         model_path=model.resolved_path,
@@ -46,13 +47,13 @@ def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:
         data=pool.parallel.data,
         expert=pool.parallel.expert,
         parallel_backend=pool.parallel.backend,
-        lora=lora_settings(topology),
+        lora=lora_settings(model),
     )
 
 
-def lora_settings(topology: Topology) -> LoraSettings | None:
+def lora_settings(model: ModelSpec) -> LoraSettings | None:
     """vLLM's LoRA settings of every engine of the model, and its tiny adapters to generate."""
-    lora = topology.model.lora
+    lora = model.lora
     if lora is None:
         return None
     return LoraSettings(

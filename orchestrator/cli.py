@@ -157,7 +157,7 @@ def up(file: str, foreground: bool, timeout: float) -> None:
     base = f"http://{gateway.host}:{gateway.port}{gateway.route_prefix.rstrip('/')}/v1"
     click.echo(f"ready: OpenAI endpoint {base}")
     click.echo(f"try: curl {base}/completions -H 'Content-Type: application/json' "
-               f"-d '{{\"model\": \"{topology.model.name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+               f"-d '{{\"model\": \"{topology.served[0].name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
     if foreground:
         _serve_until_interrupted(topology, stop_ray=started)
 

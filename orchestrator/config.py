@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.adapter_config import AdapterSpec, LoraSpec, resolved_path
 from orchestrator.strict import Strict as _Strict
@@ -293,10 +293,17 @@ class AutoscalerSpec(_Strict):
 
 
 class Topology(_Strict):
-    """A whole deployment: one model, its pools, the router and the gateway."""
+    """A whole deployment: its models, their pools, the router and the gateway."""
 
+    # editors see that one of the two is required (the validator says so too)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={
+        "oneOf": [{"required": ["model"]}, {"required": ["models"]}]})
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="Serve application name.")
-    model: ModelSpec
+    model: ModelSpec | None = Field(None, description="The model every pool serves; or `models`.")
+    models: list[ModelSpec] = Field(
+        default_factory=list, description="Several models behind one endpoint, each served by "
+        "its own pools (pools[].model names it); requests choose by their `model` field. Or "
+        "`model`, for one.")
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine arguments shared by every pool."
     )
@@ -322,12 +329,40 @@ class Topology(_Strict):
         names = [pool.name for pool in pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
-        roles = {pool.role for pool in pools}
-        if ("prefill" in roles) != ("decode" in roles):
-            raise ValueError("a prefill pool needs a decode pool and the other way round")
-        if "unified" in roles and len(roles) > 1:
-            raise ValueError("unified pools and prefill/decode pools go in separate topologies")
+        for model in dict.fromkeys(pool.model for pool in pools):  # each model's pools
+            roles = {pool.role for pool in pools if pool.model == model}
+            of = f" (model {model})" if model else ""
+            if ("prefill" in roles) != ("decode" in roles):
+                raise ValueError(f"a prefill pool needs a decode pool and the other way round{of}")
+            if "unified" in roles and len(roles) > 1:
+                raise ValueError("unified pools and prefill/decode pools serve separate models"
+                                 f"{of}")
         return pools
+
+    @model_validator(mode="after")
+    def _models(self) -> "Topology":
+        if self.model is None and not self.models:
+            raise ValueError("model: field required (or models, to serve several)")
+        if self.model is not None and self.models:
+            raise ValueError("model and models: set one (model for one, models for several)")
+        served = self.served
+        names = [m.name for m in served] + [a.name for m in served for a in m.adapters]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"models: the name {twice[0]!r} is used twice (models and their "
+                             "adapters share the `model` field of requests)")
+        models = {m.name for m in served}
+        for i, pool in enumerate(self.pools):
+            if pool.model is None and len(served) > 1:
+                raise ValueError(f"pools.{i}.model ({pool.name}): name the model this pool "
+                                 f"serves, one of {sorted(models)}")
+            if pool.model is not None and pool.model not in models:
+                raise ValueError(f"pools.{i}.model ({pool.name}): no model {pool.model!r} "
+                                 f"(models: {sorted(models)})")
+        for j, model in enumerate(served):
+            if not self.pools_of(model.name):
+                where = f"models.{j}" if self.models else "model"
+                raise ValueError(f"{where} ({model.name}): no pool serves it")
+        return self
 
     @field_validator("tenants")
     @classmethod
@@ -357,35 +392,37 @@ class Topology(_Strict):
                 raise ValueError(f"tenants.{i}.limits.requests_per_minute ({tenant.name}): {rpm} "
                                  f"< the ingress replicas ({self.ingress_replicas()}) would refuse "
                                  "it forever: each ingress replica's share is under one request")
-            unknown = set(tenant.models or ()) - {self.model.name}
-            if unknown and not self.model.lora:  # an adapter loaded at run time may be meant
+            served = self.served
+            known = {m.name for m in served} | {a.name for m in served for a in m.adapters}
+            unknown = set(tenant.models or ()) - known
+            if unknown and not any(m.lora for m in served):  # or an adapter loaded at run time
                 raise ValueError(f"tenant {tenant.name}: models {sorted(unknown)} are not served "
-                                 f"(this topology serves {self.model.name!r})")
+                                 f"(this topology serves {sorted(known)})")
         return self
 
     @model_validator(mode="after")
     def _adapters(self) -> "Topology":
         tenants = {tenant.name for tenant in self.tenants}
-        for i, adapter in enumerate(self.model.adapters):
-            where = f"model.lora.adapters.{i}"
-            if adapter.name == self.model.name:
-                raise ValueError(f"{where}.name: {adapter.name!r} is the model's own name")
-            if unknown := sorted(set(adapter.tenants or ()) - tenants):
-                raise ValueError(f"{where}.tenants ({adapter.name}): no tenant {unknown[0]!r} "
-                                 f"(tenants: {sorted(tenants)})")
-            if adapter.generate is not None and self.model.generate != "tiny":
-                raise ValueError(f"{where}.generate ({adapter.name}): tiny adapters are made "
-                                 "for the generated dense tiny model (model.generate: tiny)")
+        for j, model in enumerate(self.served):
+            for i, adapter in enumerate(model.adapters):
+                where = f"{f'models.{j}' if self.models else 'model'}.lora.adapters.{i}"
+                if unknown := sorted(set(adapter.tenants or ()) - tenants):
+                    raise ValueError(f"{where}.tenants ({adapter.name}): no tenant "
+                                     f"{unknown[0]!r} (tenants: {sorted(tenants)})")
+                if adapter.generate is not None and model.generate != "tiny":
+                    raise ValueError(f"{where}.generate ({adapter.name}): tiny adapters are "
+                                     "made for the generated dense tiny model (generate: tiny)")
         return self
 
     @model_validator(mode="after")
     def _pools_fit_model_and_devices(self) -> "Topology":
-        moe = self.model.is_moe()
         for i, pool in enumerate(self.pools):
+            model = self.model_of(pool)
+            moe = model.is_moe()
             parallel = pool.parallel
             if parallel.expert and moe is False:
                 raise ValueError(f"pools.{i}.parallel.expert ({pool.name}): expert parallelism "
-                                 f"needs a mixture-of-experts model; {self.model.path} is dense")
+                                 f"needs a mixture-of-experts model; {model.path} is dense")
             if moe and parallel.data > 1 and pool.resources.gpus == 0:
                 raise ValueError(
                     f"pools.{i}.parallel.data ({pool.name}): {parallel.data} data-parallel ranks "
@@ -472,6 +509,20 @@ class Topology(_Strict):
 
     def pool(self, name: str) -> PoolSpec:
         return next(pool for pool in self.pools if pool.name == name)
+
+    @property
+    def served(self) -> list[ModelSpec]:
+        """Every model of the topology (`models`, or the one `model`)."""
+        return self.models or ([self.model] if self.model is not None else [])
+
+    def model_of(self, pool: PoolSpec) -> ModelSpec:
+        """The model a pool serves."""
+        served = self.served
+        return served[0] if pool.model is None else next(m for m in served if m.name == pool.model)
+
+    def pools_of(self, model: str) -> list[PoolSpec]:
+        """The pools that serve `model`, in topology order."""
+        return [pool for pool in self.pools if self.model_of(pool).name == model]
 
 
 def pool_deployment_name(pool: str) -> str:

@@ -131,6 +131,9 @@ class PoolSpec(_Strict):
 
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="Pool name (DNS-like).")
     role: PoolRole = Field("unified", description="unified, prefill or decode.")
+    model: str | None = Field(
+        None, description="The model this pool serves (a name in `models`); null: the "
+        "topology's only model.")
     replicas: int = Field(1, ge=1, description="Replicas at deploy time.")
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling lower bound.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")

@@ -1,6 +1,6 @@
 """The models and LoRA adapters one gateway serves, as a tenant sees them.
 
-The topology declares the model and its adapters; adapters loaded at run time are entries of the
+The topology declares the models and their adapters; adapters loaded at run time are entries of the
 replica registry (pools.registry.AdapterRecord), which every ingress replica reads about once a
 second, so all of them serve the same set. A private adapter (`tenants`) does not exist for any
 other tenant: its name gets the same 404 as a name nobody loaded, and `/v1/models` leaves it out.
@@ -26,22 +26,22 @@ def not_found(model: str) -> GatewayError:
 
 
 class AdapterCatalog:
-    """The model and its adapters (declared, and loaded at run time). One per ingress replica,
-    on its event loop; `update` replaces the run-time set with the registry's."""
+    """The models and their adapters (declared, and loaded at run time). One per ingress
+    replica, on its event loop; `update` replaces the run-time set with the registry's."""
 
-    def __init__(self, model: ModelSpec, tenants: set[str] | None = None) -> None:
-        self.model = model
+    def __init__(self, models: list[ModelSpec], tenants: set[str] | None = None) -> None:
+        self.models = {model.name: model for model in models}
         self._tenants = tenants or set()
         self._declared = {a.name: AdapterRecord(a.name, a.resolved_path, model.name, a.tenants)
-                          for a in model.adapters}
+                          for model in models for a in model.adapters}
         self._loaded: dict[str, AdapterRecord] = {}
         self._refs: dict[str, AdapterRef] = {}
         self._reindex()
 
     @property
     def enabled(self) -> bool:
-        """Whether the model's engines run adapters at all (model.lora)."""
-        return self.model.lora is not None
+        """Whether any model's engines run adapters at all (its lora section)."""
+        return any(model.lora is not None for model in self.models.values())
 
     def declared(self, name: str) -> bool:
         return name in self._declared
@@ -54,7 +54,7 @@ class AdapterCatalog:
         """The adapters loaded at run time, as the registry lists them now (a name declared in
         the topology keeps its declared entry)."""
         self._loaded = {r.name: r for r in loaded if r.name not in self._declared
-                        and r.parent == self.model.name}
+                        and r.name not in self.models and self._runs_adapters(r.parent)}
         self._reindex()
 
     def add(self, record: AdapterRecord) -> None:
@@ -70,51 +70,54 @@ class AdapterCatalog:
         self._records = {**self._loaded, **self._declared}
         self._refs = {name: AdapterRef(name, r.path) for name, r in self._records.items()}
 
-    def resolve(self, tenant: TenantSpec, model: str) -> AdapterRef | None:
-        """What a request's `model` names for this tenant: None for the base model, or the
-        adapter. 404 for a name that is neither, or an adapter private to other tenants."""
-        if model == self.model.name:
-            return None
+    def _runs_adapters(self, model: str) -> bool:
+        spec = self.models.get(model)
+        return spec is not None and spec.lora is not None
+
+    def resolve(self, tenant: TenantSpec, model: str) -> tuple[str, AdapterRef | None]:
+        """What a request's `model` names for this tenant: the model that serves it, and the
+        adapter (None for a model itself). 404 for a name that is neither, or an adapter
+        private to other tenants."""
+        if model in self.models:
+            return model, None
         ref = self._refs.get(model)
         if ref is None or not self._visible(tenant, self._records[model]):
             raise not_found(model)
-        return ref
+        return self._records[model].parent, ref
 
     def _visible(self, tenant: TenantSpec, record: AdapterRecord) -> bool:
         return record.tenants is None or tenant.name in record.tenants
 
     def cards(self, tenant: TenantSpec, created: int) -> list[dict[str, Any]]:
-        """`/v1/models` for this tenant: the model, then each adapter it may see and use, with
+        """`/v1/models` for this tenant: the models, then each adapter it may see and use, with
         its `parent`, as vLLM lists them."""
-        model = self.model
         allowed = tenant.models
         cards = [{"id": model.name, "object": "model", "created": created, "owned_by": "tokenfab",
-                  "root": model.path, "parent": None, "max_model_len": model.max_model_len}]
+                  "root": model.path, "parent": None, "max_model_len": model.max_model_len}
+                 for model in self.models.values() if allowed is None or model.name in allowed]
         for record in self._records.values():
             if self._visible(tenant, record) and (allowed is None or record.name in allowed):
                 cards.append({"id": record.name, "object": "model", "created": created,
                               "owned_by": "tokenfab", "root": record.path,
-                              "parent": record.parent, "max_model_len": model.max_model_len})
-        if allowed is not None and model.name not in allowed:
-            cards.pop(0)
+                              "parent": record.parent,
+                              "max_model_len": self.models[record.parent].max_model_len})
         return cards
 
     def check_new(self, body: Any) -> AdapterRecord:
-        """The record of an adapter an admin asks to load ({"name", "path", "tenants"}): 400
+        """The record of an adapter an admin asks to load ({"name", "path", "model",
+        "tenants"}; `model`, the parent, may be left out where one model runs adapters): 400
         naming the field when it cannot be served, 409 when the name is taken. Reads the
         adapter's config from `path` (on the gateway's node; the engines' nodes must have the
         same files there)."""
-        if not self.enabled:
-            raise GatewayError(400, f"model {self.model.name} runs no adapters: its topology "
-                               "sets no model.lora", "model", code="lora_disabled")
         if not isinstance(body, dict):
-            raise GatewayError(400, "expected a JSON object {name, path, tenants}")
-        if unknown := sorted(body.keys() - {"name", "path", "tenants"}):
+            raise GatewayError(400, "expected a JSON object {name, path, model, tenants}")
+        if unknown := sorted(body.keys() - {"name", "path", "model", "tenants"}):
             raise GatewayError(400, f"{unknown[0]}: unknown field", unknown[0])
+        parent = self._parent(body.get("model"))
         name, path, tenants = body.get("name"), body.get("path"), body.get("tenants")
         if not isinstance(name, str) or not _valid_name(name):
             raise GatewayError(400, f"name: expected a name matching {ADAPTER_NAME}", "name")
-        if name == self.model.name or name in self._declared:
+        if name in self.models or name in self._declared:
             raise GatewayError(409, f"name: {name!r} is declared in the topology", "name",
                                code="adapter_exists")
         if not isinstance(path, str) or not path:
@@ -126,10 +129,23 @@ class AdapterCatalog:
         if unknown := sorted(set(tenants or ()) - self._tenants):
             raise GatewayError(400, f"tenants: no tenant {unknown[0]!r}", "tenants")
         path = resolved_path(path)
-        self._check_files(Path(path))
-        return AdapterRecord(name, path, self.model.name, tenants)
+        self._check_files(Path(path), self.models[parent])
+        return AdapterRecord(name, path, parent, tenants)
 
-    def _check_files(self, path: Path) -> None:
+    def _parent(self, model: Any) -> str:
+        """The model an adapter to load adapts: the one named, or the only one with LoRA."""
+        running = sorted(name for name in self.models if self._runs_adapters(name))
+        if model is None and len(running) == 1:
+            return running[0]
+        if model is None or not isinstance(model, str):
+            raise GatewayError(400, f"model: name the model the adapter adapts, one of "
+                               f"{running}", "model")
+        if not self._runs_adapters(model):
+            raise GatewayError(400, f"model: {model!r} runs no adapters (models with a lora "
+                               f"section: {running})", "model", code="lora_disabled")
+        return model
+
+    def _check_files(self, path: Path, model: ModelSpec) -> None:
         try:
             config = json.loads((path / "adapter_config.json").read_text())
         except OSError:
@@ -139,7 +155,7 @@ class AdapterCatalog:
         except ValueError as exc:
             raise GatewayError(400, f"path: {path}/adapter_config.json is not JSON: {exc}",
                                "path") from None
-        rank, limit = config.get("r"), self.model.lora.max_rank
+        rank, limit = config.get("r"), model.lora.max_rank
         if not isinstance(rank, int) or rank > limit:
             raise GatewayError(400, f"path: the adapter's rank {rank!r} exceeds "
                                f"model.lora.max_rank ({limit})", "path")

@@ -176,7 +176,7 @@ class Admin:
 
     async def _adapter_list(self, catalog: AdapterCatalog) -> list[dict[str, Any]]:
         reports = await self._directory.snapshot()
-        declared = {r.name for r in catalog.model.adapters}
+        declared = {a.name for model in catalog.models.values() for a in model.adapters}
         return [msgspec.to_builtins(record) | {
             "declared": record.name in declared,
             "held_by": [r.replica_id for r in reports if record.name in r.adapters]}

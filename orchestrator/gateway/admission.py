@@ -72,7 +72,10 @@ class Admission:
 
     def __init__(self, topology: Topology, metrics: GatewayMetrics, tenants: Tenants) -> None:
         self.tenants, self.metrics = tenants, metrics
-        self._max_model_len = topology.model.max_model_len
+        # each model's (and its declared adapters'); an adapter loaded at run time: the largest
+        self._max_model_len = {name: model.max_model_len for model in topology.served
+                               for name in (model.name, *(a.name for a in model.adapters))}
+        self._longest = max(self._max_model_len.values())
         share = 1.0 / topology.ingress_replicas()
         now = time.monotonic()
         self._limiters = {name: TenantLimiter(tenants.spec(name).limits, share, now)
@@ -128,7 +131,8 @@ class Admission:
         lengths = [len(ids) for ids in prompts] if prompts is not None else []
         limiter.check_sizes(max(lengths) if prompts is not None else None, output,
                             "messages" if endpoint == "chat" else "prompt")
-        cost = cost_tokens(lengths, output, choices(body), self._max_model_len)
+        cost = cost_tokens(lengths, output, choices(body),
+                           self._max_model_len.get(body.get("model"), self._longest))
         charge = limiter.admit(cost, time.monotonic())
         self.metrics.queued.labels(tenant.name).inc()
         try:

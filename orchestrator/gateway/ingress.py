@@ -60,7 +60,7 @@ def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
     def hasher(block_size: int) -> PrefixBlockHasher:
         return PrefixBlockHasher(block_size, hash_algo)
 
-    lora = topology.model.lora
+    lora = topology.model_of(pool).lora
     adapters = AdapterResidency(lora.resident) if lora and spec.adapters == "aware" else None
     return RoutingService(
         pool.name, policy, hasher, metrics, adapters=adapters,
@@ -125,7 +125,8 @@ class Ingress:
         metrics = GatewayMetrics(registry, tenants.names)
         admission = Admission(topology_, metrics, tenants)
         secret = await asyncio.to_thread(channel_secret, topology_.name)
-        counter = await asyncio.to_thread(PromptTokenCounter, topology_.model.resolved_path)
+        counters = {model.name: await asyncio.to_thread(PromptTokenCounter, model.resolved_path)
+                    for model in topology_.served}
         self._directory = ReplicaDirectory(topology_.name)
         router_metrics = RouterMetrics(registry)
         credentials = await asyncio.to_thread(event_credentials, topology_.name) \
@@ -136,18 +137,9 @@ class Ingress:
             self._directory, topology_.gateway.retries, pool.shed_waiting,
             topology_.gateway.migrate, topology_.router.dp_ranks == "route", self._local)
             for pool in topology_.pools}
-        transfers = None
-        flow: Flow
-        roles = {pool.name: pool.role for pool in topology_.pools}
-        unified = [p for name, p in self._pools.items() if roles[name] == "unified"]
-        if unified:
-            flow = UnifiedFlow(unified[0])
-        else:
-            transfers = TransferMetrics(registry)
-            flow = DisaggregatedFlow(
-                next(p for name, p in self._pools.items() if roles[name] == "prefill"),
-                next(p for name, p in self._pools.items() if roles[name] == "decode"),
-                topology_.disaggregation, transfers)
+        disaggregated = any(pool.role != "unified" for pool in topology_.pools)
+        transfers = TransferMetrics(registry) if disaggregated else None
+        flows = {model.name: self._flow(model.name, transfers) for model in topology_.served}
         gateway = topology_.gateway
 
         def own_series() -> bytes:
@@ -158,7 +150,7 @@ class Ingress:
 
         self._peers = IngressPeers(replica_id, secret, own_series, self._directory)
         await self._peers.start(ray.util.get_node_ip_address())
-        catalog = AdapterCatalog(topology_.model, {t.name for t in topology_.tenants})
+        catalog = AdapterCatalog(topology_.served, {t.name for t in topology_.tenants})
         if catalog.enabled:
             self._directory.listen_adapters(catalog.update)
             try:
@@ -167,7 +159,7 @@ class Ingress:
                 logger.warning("gateway %s: adapter registry unavailable: %r", replica_id, exc)
         admin = Admin(topology_.name, self._pools, self._directory, self._peers, replica_id,
                       gateway.route_prefix, transfers, tenants.authenticate_admin, catalog)
-        self._routes = routes = Routes(topology_, admission, flow, metrics, admin, counter,
+        self._routes = routes = Routes(topology_, admission, flows, metrics, admin, counters,
                                        catalog)
         self._server = HttpServer(routes.handle, gateway.max_body_bytes)
         if gateway.colocate:  # every replica of the pool is an ingress: they share the limits
@@ -184,6 +176,16 @@ class Ingress:
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")
         await self._server.start(gateway.host, gateway.port)
         logger.info("gateway %s serving on %s:%d", replica_id, gateway.host, gateway.port)
+
+    def _flow(self, model: str, transfers: TransferMetrics | None) -> Flow:
+        """Where a request for `model` goes: its unified pool, or its prefill and decode pools
+        (the first of each role, in topology order)."""
+        pools = {pool.role: self._pools[pool.name]
+                 for pool in reversed(self._topology.pools_of(model))}
+        if "unified" in pools:
+            return UnifiedFlow(pools["unified"])
+        return DisaggregatedFlow(pools["prefill"], pools["decode"],
+                                 self._topology.disaggregation, transfers)
 
     def check_health(self) -> None:
         if self._directory_task.done():

@@ -137,15 +137,17 @@ def request_id_for(client_id: str | None) -> str:
 class Routes:
     """Answers every request of one ingress replica's HTTP server."""
 
-    def __init__(self, topology: Topology, admission: Admission, flow: Flow,
-                 metrics: GatewayMetrics, admin: Admin, counter: PromptTokenCounter,
+    def __init__(self, topology: Topology, admission: Admission, flows: dict[str, Flow],
+                 metrics: GatewayMetrics, admin: Admin, counters: dict[str, PromptTokenCounter],
                  catalog: AdapterCatalog) -> None:
-        self._topology, self._admission, self._flow = topology, admission, flow
+        """`flows` and `counters`: each model's flow and prompt tokenizer, by model name."""
+        self._topology, self._admission, self._flows = topology, admission, flows
         self._catalog = catalog
-        self._metrics, self._admin, self._counter = metrics, admin, counter
+        self._metrics, self._admin, self._counters = metrics, admin, counters
         self._prefix = topology.gateway.route_prefix.rstrip("/")
         self._timeout_s = topology.gateway.request_timeout_s
-        self._needs_tokens = admission.needs_tokens or flow.needs_tokens
+        self._needs_tokens = {model: admission.needs_tokens or flow.needs_tokens
+                              for model, flow in flows.items()}
         self._send_token_ids = gateway_tokenizer_is_engines(topology)
         self._created = int(time.time())
         self.in_flight = 0  # completions and chats being answered
@@ -182,16 +184,16 @@ class Routes:
             spec = self._admission.authenticate(request.headers.get("authorization"))
             tenant = spec.name
             body = self.read_body(request)
-            adapter = self._catalog.resolve(spec, body["model"])
+            model, adapter = self._catalog.resolve(spec, body["model"])
             body = self._admission.shape(spec, endpoint, body)
             prompts, keys = await self._prepare(request_id, endpoint, body, len(request.body),
-                                                adapter)
+                                                model, adapter)
             ticket = await self._admission.admit(spec, endpoint, body, prompts)
             if self._send_token_ids:
                 body = engine_body(endpoint, body, prompts)
             call = Call(request_id, endpoint, body, _single(prompts), responder, started,
                         self._timeout_s, echo_id=client_id, adapter=adapter)
-            usage = await self._flow.serve(call, keys)
+            usage = await self._flows[model].serve(call, keys)
         except GatewayError as exc:
             # no replica took it, on any leg: it costs the tenant nothing. A 504 or a client
             # that left while an engine had it is charged (a whole reply's head comes last).
@@ -231,28 +233,28 @@ class Routes:
         return body
 
     async def _prepare(self, request_id: str, endpoint: str, body: dict[str, Any],
-                       size: int, adapter: AdapterRef | None = None
+                       size: int, model: str, adapter: AdapterRef | None
                        ) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
-        """Each prompt's token ids (if anything reads them) and the flow's route keys. A body
-        of `size` bytes up to INLINE_TOKENIZE_BYTES is counted on the loop: the hop to a thread
-        and back costs more than its tokens (see INLINE_TOKENIZE_BYTES)."""
+        """Each prompt's token ids (if anything reads them) and the model's flow's route keys.
+        A body of `size` bytes up to INLINE_TOKENIZE_BYTES is counted on the loop: the hop to
+        a thread and back costs more than its tokens (see INLINE_TOKENIZE_BYTES)."""
         salt = client_salt(body)
-        if not self._needs_tokens:
-            return None, self._flow.keys(request_id, None, salt, adapter)
+        if not self._needs_tokens[model]:
+            return None, self._flows[model].keys(request_id, None, salt, adapter)
         if size <= INLINE_TOKENIZE_BYTES:
-            return self._tokens_and_keys(request_id, endpoint, body, salt, adapter)
+            return self._tokens_and_keys(request_id, endpoint, body, salt, model, adapter)
         return await asyncio.to_thread(self._tokens_and_keys, request_id, endpoint, body, salt,
-                                       adapter)
+                                       model, adapter)
 
     def _tokens_and_keys(self, request_id: str, endpoint: str, body: dict[str, Any],
-                         salt: str | None, adapter: AdapterRef | None = None
+                         salt: str | None, model: str, adapter: AdapterRef | None
                          ) -> tuple[list[list[int]] | None, dict[str, RouteKey]]:
         """Where limits read the prompt, counting fails closed: a prompt that cannot be read is
         refused (400, naming the field), and a tokenizer that fails refuses the request (503),
         never admits it uncounted. Where only routing reads it, such a request (an image part,
         say) is routed by load. A batch of prompts is routed by load (no one prefix)."""
         try:
-            prompts: list[list[int]] | None = self._counter.prompts(endpoint, body)
+            prompts: list[list[int]] | None = self._counters[model].prompts(endpoint, body)
         except PromptError as exc:
             if self._admission.needs_tokens:
                 raise GatewayError(400, exc.message, exc.field, code="invalid_prompt") from None
@@ -263,7 +265,7 @@ class Routes:
                 raise GatewayError(503, "the gateway could not count the prompt's tokens; "
                                    "retry", code="tokenizer_unavailable") from None
             prompts = None
-        return prompts, self._flow.keys(request_id, _single(prompts), salt, adapter)
+        return prompts, self._flows[model].keys(request_id, _single(prompts), salt, adapter)
 
     async def explain(self, endpoint: str, request: HttpRequest) -> dict[str, Any]:
         """How each pool would place this request now (`/tokenfab/route/...`), as the caller's
@@ -272,12 +274,12 @@ class Routes:
         cache, never another tenant's."""
         spec = self._admission.authenticate(request.headers.get("authorization"))
         body = self.read_body(request)
-        adapter = self._catalog.resolve(spec, body["model"])
+        model, adapter = self._catalog.resolve(spec, body["model"])
         body = self._admission.shape(spec, endpoint, body)
         _, keys = await asyncio.to_thread(self._tokens_and_keys, "explain", endpoint, body,
-                                          client_salt(body), adapter)
+                                          client_salt(body), model, adapter)
         explained = {pool: dispatcher.service.explain(keys[pool])
-                     for pool, dispatcher in self._flow.pools.items()}
+                     for pool, dispatcher in self._flows[model].pools.items()}
         if self._topology.auth.enabled:  # the replicas' load is other tenants' traffic
             return {pool: tenant_view(answer) for pool, answer in explained.items()}
         return explained

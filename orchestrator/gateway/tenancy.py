@@ -85,7 +85,6 @@ class Tenants:
         self._salt_key = salt_key
         self._admin_digests = [*topology.auth.admin_keys, *(extra_admin_keys or [])]
         self._app = topology.name
-        self._model = topology.model.name
         self._by_name = {tenant.name: tenant for tenant in topology.tenants}
         self._implicit_default = DEFAULT_TENANT not in self._by_name
         self.default = self._by_name.get(DEFAULT_TENANT) or TenantSpec(name=DEFAULT_TENANT)

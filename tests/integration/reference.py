@@ -27,14 +27,16 @@ def main(topology_path: str, out: str) -> None:
     from tests.integration.cases import CHATS, FALLBACK, PROMPTS
 
     topology = load_topology(topology_path)
-    pool, lora = topology.pools[0], topology.model.lora
+    pool = topology.pools[0]
+    model = topology.model_of(pool)
+    lora = model.lora
     lora_args = {} if lora is None else {
         "enable_lora": True, "max_loras": lora.max_loras, "max_cpu_loras": lora.resident,
         "max_lora_rank": lora.max_rank}
     llm = LLM(
-        model=topology.model.resolved_path,
-        dtype=topology.model.dtype,
-        max_model_len=topology.model.max_model_len,
+        model=model.resolved_path,
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
         kv_cache_memory_bytes=pool.resources.kv_cache_bytes,
         enable_prefix_caching=True,
         **lora_args,
@@ -53,12 +55,12 @@ def main(topology_path: str, out: str) -> None:
                                          use_tqdm=False)),
     }
     if lora is not None:  # each declared adapter's outputs, with vLLM's own LoRARequest
-        results["adapters"] = adapter_outputs(llm, topology, greedy)
+        results["adapters"] = adapter_outputs(llm, model, greedy)
     with open(out, "w") as f:
         json.dump(results, f)
 
 
-def adapter_outputs(llm, topology, greedy) -> dict:
+def adapter_outputs(llm, model, greedy) -> dict:
     from pathlib import Path
 
     from vllm.lora.request import LoRARequest
@@ -67,9 +69,9 @@ def adapter_outputs(llm, topology, greedy) -> dict:
     from tests.integration.cases import PROMPTS
 
     outputs = {}
-    for number, adapter in enumerate(topology.model.adapters, start=1):
+    for number, adapter in enumerate(model.adapters, start=1):
         if adapter.generate is not None:
-            ensure_tiny_adapter(Path(topology.model.resolved_path), Path(adapter.resolved_path),
+            ensure_tiny_adapter(Path(model.resolved_path), Path(adapter.resolved_path),
                                 adapter.generate)
         request = LoRARequest(adapter.name, number, adapter.resolved_path)
         outputs[adapter.name] = [

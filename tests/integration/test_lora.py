@@ -1,6 +1,7 @@
-"""LoRA adapters through the gateway on a real engine (topology-lora.yaml): outputs equal vLLM's
-own with the same LoRARequest, caches kept apart by adapter, adapters loaded and unloaded at run
-time on every ingress replica, private adapters, the admin route's answers."""
+"""Two models and LoRA adapters behind one endpoint, on real engines (topology-lora.yaml):
+requests go to their model's pool; adapter outputs equal vLLM's own with the same LoRARequest;
+caches kept apart by adapter; adapters loaded and unloaded at run time on every ingress replica;
+private adapters; the admin route's answers."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pools.tiny_lora import adapter_name
 from tests.integration.cases import PROMPTS
 from tests.integration.conftest import LORA_TOPOLOGY, ROOT, TOKENFAB, up
 
-MODEL = "tiny"
+MODEL, MOE = "tiny", "tiny-moe"
 ALPHA, BETA, ADMIN = "alpha-key", "beta-key", "admin-key"
 # Several KV blocks (128 tokens on CPU), unique to this module
 LONG_PROMPT = "adapter cache probe: " + " ".join(f"word{i % 89} stone" for i in range(300))
@@ -124,7 +125,7 @@ def test_models_lists_what_each_tenant_may_use_with_parents(root: str) -> None:
         assert response.status_code == 200, response.text
         return {card["id"]: card["parent"] for card in response.json()["data"]}
 
-    assert listed(ALPHA) == {MODEL: None, "lora-0": MODEL, "lora-1": MODEL,
+    assert listed(ALPHA) == {MODEL: None, MOE: None, "lora-0": MODEL, "lora-1": MODEL,
                              "alpha-private": MODEL}
     assert listed(BETA) == {MODEL: None, "lora-1": MODEL}
     assert _get(root, None, "/v1/models").status_code == 401
@@ -158,7 +159,7 @@ def _served_by_every_ingress(root: str, model: str, status: int, replicas: int,
 
 def test_an_adapter_loaded_at_run_time_is_served_by_every_ingress_then_unloaded(
         root: str, lora: Topology) -> None:
-    base = lora.model.resolved_path
+    base = lora.model_of(lora.pool("main")).resolved_path
     made = _tokenfab("model", "tiny", "--out", base, "--if-missing", "--lora", str(RUNTIME + 1))
     assert made.returncode == 0, made.stderr
     path = f"{base}-lora/{adapter_name(RUNTIME)}"
@@ -209,6 +210,19 @@ def test_replicas_report_the_adapters_they_hold(root: str) -> None:
         time.sleep(0.2)
     assert listed["lora-1"]["held_by"], listed
     assert listed["alpha-private"]["tenants"] == ["alpha"] and listed["lora-1"]["declared"]
-    [report] = _get(root, ADMIN, "/tokenfab/replicas").json()
+    [report] = [r for r in _get(root, ADMIN, "/tokenfab/replicas").json() if r["pool"] == "main"]
     assert report["adapter_loads"] >= 3 and report["adapter_load_s"] > 0
     assert len(report["adapters"]) <= 2  # max_cpu_loras defaults to max_loras: 2
+
+
+def test_each_model_is_served_by_its_own_pool(root: str, lora: Topology) -> None:
+    replicas = {r["replica_id"]: r["pool"] for r in _get(root, ADMIN, "/tokenfab/replicas").json()}
+    for model, pool in ((MODEL, "main"), (MOE, "moe"), ("lora-1", "main")):
+        response = _post(root, ALPHA, {"model": model, "prompt": "Which pool?", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == model
+        assert replicas[response.headers["x-tokenfab-replica"]] == pool
+    assert _post(root, BETA, {"model": MOE, "prompt": "Hi", "max_tokens": 1}).status_code == 403
+    explained = _post(root, ALPHA, {"model": MOE, "prompt": "Hi", "max_tokens": 1},
+                      path="/tokenfab/route/completions").json()
+    assert set(explained) == {"moe"}

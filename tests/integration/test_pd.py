@@ -138,6 +138,27 @@ def test_pd_counters_and_status(pd: PD) -> None:
     assert f"requests_disaggregated={counters['requests_disaggregated']}" in table
 
 
+def test_an_adapter_through_pd_equals_the_bare_engine_running_it(
+        pd: PD, lora_reference: dict[str, Any]) -> None:
+    """Both legs run the adapter: prefill computes the KV with it, decode pulls that KV (decode
+    holds the prompt under the base model from the tests above, which is no hit for the adapter)
+    and continues with it: the output is vLLM's own with the same LoRARequest."""
+    case, expected = PROMPTS[2], lora_reference["adapters"]["lora-0"][2]
+    before, counters = pd.load("decode"), pd.counters()
+    response = pd.http.post("/completions", json={
+        "model": "lora-0", "prompt": case.prompt, "max_tokens": case.max_tokens,
+        "temperature": 0, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == expected["token_ids"]
+    after, prompt_tokens = pd.load("decode"), len(expected["prompt_token_ids"])
+    transferred = after["prompt_tokens_transferred"] - before["prompt_tokens_transferred"]
+    computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+    assert (transferred, computed) == (prompt_tokens, 0)
+    assert pd.counters()["requests_disaggregated"] == counters["requests_disaggregated"] + 1
+    assert {r["pool"]: r["adapters"] for r in pd.replicas().values()} == {
+        "prefill": ["lora-0"], "decode": ["lora-0"]}
+
+
 def test_bad_request_is_answered_once_not_retried(pd: PD) -> None:
     response = pd.http.post("/completions", json={"model": MODEL, "prompt": "word " * 100,
                                                   "temperature": "hot"})

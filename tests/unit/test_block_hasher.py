@@ -28,8 +28,11 @@ def test_full_blocks_only_chained_and_salted() -> None:
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
 @pytest.mark.parametrize("salt", [None, "salt"])
-def test_matches_vllm_request_block_hasher(algo: str, salt: str | None) -> None:
+@pytest.mark.parametrize("lora", [None, ("adapter-a", "/loras/a")], ids=["base", "lora"])
+def test_matches_vllm_request_block_hasher(algo: str, salt: str | None,
+                                           lora: tuple[str, str] | None) -> None:
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
                                              maybe_convert_block_hash)
@@ -40,10 +43,11 @@ def test_matches_vllm_request_block_hasher(algo: str, salt: str | None) -> None:
     tokens = [(i * 37) % 2000 for i in range(70)]
     request = Request(request_id="r", prompt_token_ids=tokens, sampling_params=SamplingParams(),
                       pooling_params=None, cache_salt=salt,
+                      lora_request=LoRARequest(lora[0], 7, lora[1]) if lora else None,
                       block_hasher=get_request_block_hasher(16, hash_fn))
     assert len(request.block_hashes) == 4
     assert [maybe_convert_block_hash(h) for h in request.block_hashes] == \
-        PrefixBlockHasher(16, algo).block_hashes(tokens, cache_salt=salt)
+        PrefixBlockHasher(16, algo).block_hashes(tokens, cache_salt=salt, lora=lora)
 
 
 def test_an_unknown_algorithm_is_named() -> None:

@@ -60,7 +60,8 @@ def test_schema_is_json_schema_of_topology() -> None:
     schema = json.loads(result.stdout)
     assert {"model", "pools"} <= set(schema["properties"])
     assert schema["additionalProperties"] is False
-    assert schema["required"] == ["name", "model", "pools"]
+    assert schema["required"] == ["name", "pools"]
+    assert schema["oneOf"] == [{"required": ["model"]}, {"required": ["models"]}]
 
 
 def test_hash_key_prints_the_digest_a_topology_stores() -> None:

@@ -123,7 +123,51 @@ INVALID: list[Any] = [
                  id="bad-pool-name"),
     pytest.param([MINIMAL], ["(top level): expected a mapping of fields"], id="list-document"),
     pytest.param(None, ["(top level): expected a mapping of fields"], id="empty-document"),
-    pytest.param(doc(model=None), ["model: Field required"], id="missing-model"),
+    pytest.param(doc(model=None), ["(top level): model: field required (or models, to serve "
+                                   "several)"], id="missing-model"),
+    pytest.param(doc(models=[MINIMAL["model"]]), ["(top level): model and models: set one "
+                                                  "(model for one, models for several)"],
+                 id="model-and-models"),
+    pytest.param(doc(model=None, models=[{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}],
+                     pools=[pool(model="a")]),
+                 ["(top level): models: the name 'a' is used twice (models and their adapters "
+                  "share the `model` field of requests)"], id="two-models-one-name"),
+    pytest.param(doc(model=None, models=[{"name": "a", "path": "/a"}, {"name": "b", "path": "/b"}],
+                     pools=[pool(name="pa", model="a"), pool(name="pb", model="c")]),
+                 ["(top level): pools.1.model (pb): no model 'c' (models: ['a', 'b'])"],
+                 id="pool-names-unknown-model"),
+    pytest.param(doc(model=None, models=[{"name": "a", "path": "/a"}, {"name": "b", "path": "/b"}],
+                     pools=[pool(name="pa", model="a"), pool(name="pb")]),
+                 ["(top level): pools.1.model (pb): name the model this pool serves, one of "
+                  "['a', 'b']"], id="pool-without-model-of-several"),
+    pytest.param(doc(model=None, models=[{"name": "a", "path": "/a"}, {"name": "b", "path": "/b"}],
+                     pools=[pool(name="pa", model="a")]),
+                 ["(top level): models.1 (b): no pool serves it"], id="model-without-pool"),
+    pytest.param(doc(model=None, models=[{"name": "a", "path": "/a"}, {"name": "b", "path": "/b"}],
+                     pools=[pool(name="pa", model="a"), pool(name="pb", model="b", role="prefill")]),
+                 ["pools: a prefill pool needs a decode pool and the other way round (model b)"],
+                 id="prefill-without-decode-of-a-model"),
+    pytest.param(doc(model=MINIMAL["model"] | {"lora": {"adapters": [
+        {"name": "m", "path": "/a"}]}}),
+                 ["(top level): models: the name 'm' is used twice (models and their adapters "
+                  "share the `model` field of requests)"], id="adapter-named-as-model"),
+    pytest.param(doc(model=MINIMAL["model"] | {"lora": {"adapters": [
+        {"name": "x", "path": "/a"}, {"name": "x", "path": "/b"}]}}),
+                 ["model.lora: adapters: 'x' is declared twice"],
+                 id="adapter-declared-twice"),
+    pytest.param(doc(model=MINIMAL["model"] | {"lora": {"max_loras": 4, "max_cpu_loras": 2}}),
+                 ["model.lora: max_cpu_loras (2) must be at least max_loras (4): a "
+                  "batch's adapters are all loaded"], id="cpu-loras-under-loras"),
+    pytest.param(doc(model=MINIMAL["model"] | {"lora": {"adapters": [
+        {"name": "x", "path": "/a", "tenants": ["nobody"]}]}}),
+                 ["(top level): model.lora.adapters.0.tenants (x): no tenant 'nobody' "
+                  "(tenants: [])"], id="adapter-for-unknown-tenant"),
+    pytest.param(doc(model=MINIMAL["model"] | {"lora": {"adapters": [
+        {"name": "x", "path": "/a", "generate": 0}]}}),
+                 ["(top level): model.lora.adapters.0.generate (x): tiny adapters are made for "
+                  "the generated dense tiny model (generate: tiny)"], id="tiny-adapter-of-other"),
+    pytest.param(with_pool(engine_args={"enable_lora": True}),
+                 ["pools.0.engine_args: enable_lora is set by tokenfab: use model.lora"], id="enable-lora-is-owned"),
     pytest.param(doc(pools=[]),
                  ["pools: List should have at least 1 item after validation, not 0"], id="no-pools"),
     pytest.param(doc(autoscaler={"max_kv_usage": 1.5}),

@@ -1,0 +1,148 @@
+"""LoRA adapters without an engine: the gateway's catalog (who sees what, what a load needs),
+the replica's mirror of vLLM's adapter cache, the router's residency and its scoring."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from channel.frames import AdapterRef
+from orchestrator.config import ModelSpec
+from orchestrator.gateway.adapters import AdapterCatalog
+from orchestrator.gateway.errors import GatewayError
+from orchestrator.tenant_config import TenantSpec
+from pools.adapters import AdapterSlots
+from pools.registry import AdapterRecord
+from router.adapters import DEFAULT_LOAD_S, AdapterResidency
+from router.index import ReplicaId
+from router.plugins import Candidate, RouteRequest
+from router.policies import build_policy
+from router.scorers import AdapterScorer
+
+ALPHA, BETA = TenantSpec(name="alpha"), TenantSpec(name="beta", models=["base", "pub", "own"])
+BASE = ModelSpec(name="base", path="/m/base", lora={"max_rank": 8, "adapters": [
+    {"name": "pub", "path": "/a/pub"},
+    {"name": "own", "path": "/a/own", "tenants": ["alpha"]}]})
+OTHER = ModelSpec(name="other", path="/m/other")
+
+
+def catalog() -> AdapterCatalog:
+    return AdapterCatalog([BASE, OTHER], {"alpha", "beta"})
+
+
+@pytest.mark.parametrize(("tenant", "model", "expected"), [
+    (ALPHA, "base", ("base", None)),
+    (ALPHA, "other", ("other", None)),
+    (ALPHA, "pub", ("base", AdapterRef("pub", "/a/pub"))),
+    (ALPHA, "own", ("base", AdapterRef("own", "/a/own"))),
+    (BETA, "own", 404),  # private to alpha: as if it did not exist
+    (BETA, "nothing", 404),
+])
+def test_resolve(tenant: TenantSpec, model: str, expected) -> None:
+    if expected == 404:
+        with pytest.raises(GatewayError) as caught:
+            catalog().resolve(tenant, model)
+        assert (caught.value.status, caught.value.param, caught.value.message) == (
+            404, "model", f"The model `{model}` does not exist.")
+    else:
+        assert catalog().resolve(tenant, model) == expected
+
+
+def test_cards_list_what_the_tenant_may_see_and_use_with_parents() -> None:
+    found = catalog()
+    found.update([AdapterRecord("late", "/a/late", "base"),
+                  AdapterRecord("stray", "/a/stray", "other"),  # other runs no adapters
+                  AdapterRecord("pub", "/elsewhere", "base")])  # declared wins
+    def ids(tenant: TenantSpec) -> dict[str, str | None]:
+        return {card["id"]: card["parent"] for card in found.cards(tenant, 0)}
+
+    assert ids(ALPHA) == {"base": None, "other": None, "pub": "base", "own": "base",
+                          "late": "base"}
+    assert ids(BETA) == {"base": None, "pub": "base"}
+    assert found.resolve(ALPHA, "pub") == ("base", AdapterRef("pub", "/a/pub"))
+    found.update([])
+    with pytest.raises(GatewayError):
+        found.resolve(ALPHA, "late")
+
+
+def _adapter_dir(tmp_path: Path, rank: int) -> str:
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": rank}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"name": "new", "path": "PATH"}, 200, None),
+    ({"name": "new", "path": "PATH", "model": "base", "tenants": ["beta"]}, 200, None),
+    ({"name": "new", "path": "PATH", "model": "other"}, 400, "model"),
+    ({"name": "pub", "path": "PATH"}, 409, "name"),
+    ({"name": "other", "path": "PATH"}, 409, "name"),
+    ({"name": "bad name", "path": "PATH"}, 400, "name"),
+    ({"name": "new", "path": "/nowhere"}, 400, "path"),
+    ({"name": "new", "path": "PATH", "tenants": ["nobody"]}, 400, "tenants"),
+    ({"name": "new", "path": "PATH", "tenants": "alpha"}, 400, "tenants"),
+    ({"name": "new", "path": "PATH", "rank": 8}, 400, "rank"),
+    ({"name": "new", "path": "BIG"}, 400, "path"),  # rank 16 > max_rank 8
+])
+def test_check_new(tmp_path: Path, body: dict, status: int, param: str | None) -> None:
+    for folder in ("fits", "big"):
+        (tmp_path / folder).mkdir()
+    paths = {"PATH": _adapter_dir(tmp_path / "fits", 8), "BIG": _adapter_dir(tmp_path / "big", 16)}
+    fits = paths["PATH"]
+    body = {k: paths.get(v, v) if k == "path" else v for k, v in body.items()}
+    if status == 200:
+        record = catalog().check_new(body)
+        assert (record.name, record.parent, record.path) == ("new", "base", fits)
+        return
+    with pytest.raises(GatewayError) as caught:
+        catalog().check_new(body)
+    assert (caught.value.status, caught.value.param) == (status, param)
+
+
+def test_slots_mirror_vllm_lru_and_share_a_load() -> None:
+    loads: list[str] = []
+    clock = iter([0.0, 0.5, 1.0, 1.25, 2.0, 2.75, 3.0, 3.5])
+
+    async def load(name: str) -> None:
+        loads.append(name)
+        await asyncio.sleep(0)
+
+    async def run() -> AdapterSlots:
+        slots = AdapterSlots(2, load, clock=lambda: next(clock))
+        await asyncio.gather(slots.use("a"), slots.use("a"))  # one load for both
+        await slots.use("b")
+        await slots.use("a")  # touched: b is now the least recently used
+        await slots.use("c")  # evicts b
+        return slots
+
+    slots = asyncio.run(run())
+    assert loads == ["a", "b", "c"] and slots.held == ["a", "c"] and slots.loads == 3
+    assert slots.load_s == 0.5  # median of 0.5, 0.25, 0.5
+    slots.sync(["c", "z"])  # the engine's word: a is gone, z is there
+    assert slots.held == ["z", "c"]
+
+
+def test_residency_counts_dispatches_between_reports_and_prices_a_load() -> None:
+    a, b = ReplicaId("a"), ReplicaId("b")
+    residency = AdapterResidency(capacity=2)
+    assert residency.load_cost_s(a, "x") == DEFAULT_LOAD_S
+    residency.reported(a, ["x", "y"], 0.02)
+    residency.reported(b, ["y"], 0.0)
+    assert residency.load_cost_s(a, "x") == 0.0 and residency.load_cost_s(a, None) == 0.0
+    assert residency.load_cost_s(b, "x") == 0.02  # the pool's median, b measured none
+    residency.dispatched(a, "z")  # evicts x, the least recently used
+    assert residency.snapshot()["a"] == ["y", "z"] and residency.load_cost_s(a, "x") == 0.02
+
+
+def test_the_router_prefers_the_replica_holding_the_adapter_as_ttft_says() -> None:
+    request = RouteRequest(prompt_tokens=512, block_size=16, adapter="x")
+    held, cold = Candidate(ReplicaId("a")), Candidate(ReplicaId("b"), adapter_load_s=0.1)
+    assert AdapterScorer().score(request, [held, cold]) == [1.0, 0.0]
+    assert cold.estimated_ttft_s(request) == pytest.approx(held.estimated_ttft_s(request) + 0.1)
+    policy = build_policy("kv_aware", tolerance=0.0)
+    assert policy.rank(request, [cold, held]).ranked[0].replica == "a"
+    # a busy holder loses to an idle replica when the load is cheaper than the queue
+    busy = Candidate(ReplicaId("a"), queued_prefill_tokens=8000)
+    assert policy.rank(request, [busy, cold]).ranked[0].replica == "b"
