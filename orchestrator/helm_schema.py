@@ -95,6 +95,14 @@ def values_schema() -> dict[str, Any]:
                               "properties": {"name": {"type": "string"},
                                              "key": {"type": "string"}}},
             "hfTokenSecret": {"type": "string"},
+            "adapters": {"type": "object", "additionalProperties": False,
+                         "description": "LoRA adapters: a Kubernetes volume mounted read-only "
+                         "at mountPath in the head (the gateway reads an adapter's config when "
+                         "it is loaded) and in every worker (the engines load its weights); "
+                         "adapter paths of the topology and of `tokenfab adapter load` point "
+                         "under it. An empty volume: nothing is mounted.",
+                         "properties": {"mountPath": {"type": "string", "pattern": "^/"},
+                                        "volume": {"type": "object"}}},
             "networkPolicy": {"type": "object", "additionalProperties": False,
                               "description": "Ingress rules for the release's pods: the gateway "
                               "port open, the dashboard only to the KubeRay operator.",

@@ -34,6 +34,7 @@ class Ticket:
     charge: Charge
     cost: float
     queued_s: float
+    model: str = "-"  # the model or adapter the request named
     settled: bool = False
 
 
@@ -144,7 +145,7 @@ class Admission:
             self.metrics.queued.labels(tenant.name).dec()
         self.metrics.queue.labels(tenant.name).observe(waited)
         self.metrics.in_flight.labels(tenant.name).inc()
-        return Ticket(tenant, charge, cost, waited)
+        return Ticket(tenant, charge, cost, waited, str(body.get("model", "-")))
 
     def finish(self, ticket: Ticket, usage: Usage | None, refund: bool = False) -> None:
         """The request ended (answered, failed or abandoned); idempotent. `refund`: no engine
@@ -163,7 +164,7 @@ class Admission:
                            ticket.tenant.weight)
         self.metrics.in_flight.labels(name).dec()
         if usage is not None:
-            self.metrics.served(name, usage)
+            self.metrics.served(name, usage, ticket.model)
 
     def _shaped(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         """The body with the tenant's cache salt and default output length."""

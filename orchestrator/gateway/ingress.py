@@ -122,7 +122,7 @@ class Ingress:
         topology_, replica_id = self._topology, self._replica_id
         registry = CollectorRegistry()
         tenants = Tenants.from_topology(topology_, await asyncio.to_thread(salt_key, topology_))
-        metrics = GatewayMetrics(registry, tenants.names)
+        metrics = GatewayMetrics(registry, tenants.names, [m.name for m in topology_.served])
         admission = Admission(topology_, metrics, tenants)
         secret = await asyncio.to_thread(channel_secret, topology_.name)
         counters = {model.name: await asyncio.to_thread(PromptTokenCounter, model.resolved_path)

@@ -1,5 +1,6 @@
 """Per-tenant Prometheus series of one ingress replica. Labels carry tenant names, endpoints,
-status codes and reasons, never prompt text. Requests without a valid key count as tenant `-`."""
+status codes, reasons and the model or adapter a request named, never prompt text. Requests
+without a valid key count as tenant `-`, those whose model was not read as model `-`."""
 
 from __future__ import annotations
 
@@ -13,19 +14,23 @@ REJECTION_REASONS = ("invalid_api_key", "model_not_allowed", "requests_per_minut
                      "tokens_per_minute", "concurrency_limit", "prompt_too_long",
                      "max_tokens_too_large", "queue_full", "queue_timeout")
 UNKNOWN_TENANT = "-"
+UNKNOWN_MODEL = "-"
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry, tenants: list[str]) -> None:
-        self.requests = Counter("tokenfab_gateway_requests", "Requests answered, by status code",
-                                ["tenant", "endpoint", "code"], registry=registry)
+    def __init__(self, registry: CollectorRegistry, tenants: list[str],
+                 models: list[str] | None = None) -> None:
+        self.requests = Counter("tokenfab_gateway_requests", "Requests answered, by status code "
+                                "and the model or adapter named", ["tenant", "endpoint", "code",
+                                                                    "model"], registry=registry)
         self.rejections = Counter("tokenfab_gateway_rejections",
                                   "Requests refused by auth, limits or admission, by reason",
                                   ["tenant", "reason"], registry=registry)
         self.tokens = Counter("tokenfab_gateway_tokens",
                               "Tokens served, as the engines reported them: prompt, completion, "
-                              "and cached (prompt tokens served from the prefix cache)",
-                              ["tenant", "kind"], registry=registry)
+                              "and cached (prompt tokens served from the prefix cache), by the "
+                              "model or adapter named", ["tenant", "kind", "model"],
+                              registry=registry)
         self.ttft = Histogram("tokenfab_gateway_ttft_seconds",
                               "Time to first token of streamed requests, queueing included",
                               ["tenant"], buckets=_LATENCY_BUCKETS, registry=registry)
@@ -44,7 +49,8 @@ class GatewayMetrics:
                             ["tenant"], registry=registry)
         for tenant in tenants:  # every series exists from the start, at 0
             for kind in ("prompt", "completion", "cached"):
-                self.tokens.labels(tenant, kind)
+                for model in models or [UNKNOWN_MODEL]:
+                    self.tokens.labels(tenant, kind, model)
             for reason in REJECTION_REASONS:
                 self.rejections.labels(tenant, reason)
             self.in_flight.labels(tenant)
@@ -54,7 +60,7 @@ class GatewayMetrics:
             self.itl.labels(tenant)
         self.rejections.labels(UNKNOWN_TENANT, "invalid_api_key")
 
-    def served(self, tenant: str, usage: Usage) -> None:
-        self.tokens.labels(tenant, "prompt").inc(usage.prompt_tokens)
-        self.tokens.labels(tenant, "completion").inc(usage.completion_tokens)
-        self.tokens.labels(tenant, "cached").inc(usage.cached_tokens)
+    def served(self, tenant: str, usage: Usage, model: str = UNKNOWN_MODEL) -> None:
+        self.tokens.labels(tenant, "prompt", model).inc(usage.prompt_tokens)
+        self.tokens.labels(tenant, "completion", model).inc(usage.completion_tokens)
+        self.tokens.labels(tenant, "cached", model).inc(usage.cached_tokens)

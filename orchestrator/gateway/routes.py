@@ -27,7 +27,7 @@ from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.flows import Flow, client_salt
 from orchestrator.gateway.http import HttpRequest, Responder
-from orchestrator.gateway.metrics import UNKNOWN_TENANT, GatewayMetrics
+from orchestrator.gateway.metrics import UNKNOWN_MODEL, UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.gateway.relay import Call
 from orchestrator.config import Topology
 from pools.tokenizer import PromptError, PromptTokenCounter
@@ -288,16 +288,19 @@ class Routes:
                 call: Call | None, usage: Any, queued_s: float) -> None:
         elapsed = time.monotonic() - started
         metrics = self._metrics
-        metrics.requests.labels(tenant, endpoint, str(status)).inc()
+        # a model the gateway resolved (an answer before that: unread, so no unbounded label)
+        model = call.body["model"] if call is not None else UNKNOWN_MODEL
+        metrics.requests.labels(tenant, endpoint, str(status), model).inc()
         metrics.latency.labels(tenant, endpoint).observe(elapsed)
         if call is not None and call.first_token_s is not None:
             metrics.ttft.labels(tenant).observe(call.first_token_s)
             itl = metrics.itl.labels(tenant)
             for gap in call.gaps:
                 itl.observe(gap)
-        logger.info("request_id=%s tenant=%s endpoint=%s status=%d latency_ms=%.1f queue_ms=%.1f "
-                    "replica=%s prompt_tokens=%s completion_tokens=%s cached_tokens=%s",
-                    request_id, tenant, endpoint, status, 1000 * elapsed, 1000 * queued_s,
+        logger.info("request_id=%s tenant=%s model=%s endpoint=%s status=%d latency_ms=%.1f "
+                    "queue_ms=%.1f replica=%s prompt_tokens=%s completion_tokens=%s "
+                    "cached_tokens=%s",
+                    request_id, tenant, model, endpoint, status, 1000 * elapsed, 1000 * queued_s,
                     call.replica if call else "-", usage.prompt_tokens if usage else "-",
                     usage.completion_tokens if usage else "-", usage.cached_tokens if usage else "-",
                     extra=ACCESS_LINE)

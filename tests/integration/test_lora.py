@@ -18,6 +18,7 @@ from orchestrator.status import ADMIN_KEY_ENV, gateway_url
 from pools.tiny_lora import adapter_name
 from tests.integration.cases import PROMPTS
 from tests.integration.conftest import LORA_TOPOLOGY, ROOT, TOKENFAB, up
+from tests.promql import scrape
 
 MODEL, MOE = "tiny", "tiny-moe"
 ALPHA, BETA, ADMIN = "alpha-key", "beta-key", "admin-key"
@@ -226,3 +227,18 @@ def test_each_model_is_served_by_its_own_pool(root: str, lora: Topology) -> None
     explained = _post(root, ALPHA, {"model": MOE, "prompt": "Hi", "max_tokens": 1},
                       path="/tokenfab/route/completions").json()
     assert set(explained) == {"moe"}
+
+
+def test_usage_and_metrics_are_labelled_by_model_and_adapter(root: str) -> None:
+    samples = scrape(f"{root}/metrics", ADMIN)  # every ingress replica's series
+
+    def total(name: str, **labels: str) -> float:
+        return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+    tokens, requests = "tokenfab_gateway_tokens_total", "tokenfab_gateway_requests_total"
+    assert total(tokens, tenant="alpha", kind="completion", model="lora-0") >= 3 * 8
+    assert total(tokens, tenant="alpha", kind="cached", model="lora-0") >= 128
+    assert total(tokens, tenant="alpha", kind="completion", model=MOE) >= 2
+    assert total(requests, tenant="alpha", code="200", model="alpha-private") >= 4
+    assert total(requests, tenant="beta", code="404", model="-") >= 2  # names never read
+    assert total(requests, tenant="beta", code="200", model="alpha-private") == 0

@@ -114,7 +114,8 @@ def test_rayservice_applies_what_tokenfab_up_applies(rendered) -> None:
     assert serve["proxy_location"] == "Disabled"  # the gateway serves HTTP itself, on the head
     http = next(p for p in by_kind["Service"]["spec"]["ports"] if p["name"] == "http")
     assert (topology.gateway.host, topology.gateway.port) == ("0.0.0.0", http["targetPort"])
-    assert topology.model.path == values["topology"]["model"]["path"]
+    declared = values["topology"].get("models") or [values["topology"]["model"]]
+    assert [model.path for model in topology.served] == [model["path"] for model in declared]
     assert topology.cluster.node_ip is None  # each node's own address, found through Ray
     cluster = by_kind["RayService"]["spec"]["rayClusterConfig"]
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
@@ -133,6 +134,21 @@ def test_rayservice_applies_what_tokenfab_up_applies(rendered) -> None:
     head = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
     service = by_kind["Service"]
     assert all(head[k] == v for k, v in service["spec"]["selector"].items())
+
+
+def test_the_adapters_volume_is_mounted_read_only_in_every_pod() -> None:
+    values = yaml.safe_load((CHART / "examples/models-and-adapters.yaml").read_text())
+    cluster = next(d for d in render(values) if d["kind"] == "RayService")["spec"][
+        "rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [
+        group["template"]["spec"] for group in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        assert {"name": "adapters", **values["adapters"]["volume"]} in pod["volumes"]
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in mounts
+    without = render(values | {"adapters": {"mountPath": "/adapters", "volume": {}}})
+    cluster = next(d for d in without if d["kind"] == "RayService")["spec"]["rayClusterConfig"]
+    assert "adapters" not in str(cluster)
 
 
 def test_tenant_keys_go_to_a_secret_never_the_configmap(tmp_path: Path) -> None:
