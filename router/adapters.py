@@ -1,30 +1,47 @@
-"""Which replica holds which LoRA adapter, as one router sees it, and what a request for an
-adapter a replica does not hold costs there.
+"""Which replica holds which LoRA adapter, which adapters it is running, as one router sees it,
+and what a request for an adapter costs on each replica before its prefill can start.
 
-Each replica reports the adapters its engine holds (least recently used first) and the median
-time its loads took, about once a second. Between reports this router also counts its own
-dispatches: a request sent for adapter A makes A the most recently used there, and the least
-recently used beyond the engine's capacity drop out, as they do in vLLM's cache. Requests routed
-in the same second thus see each other's loads.
+Two things delay a request for adapter A on a replica, besides the queue every request sees:
+- **the load.** vLLM keeps at most `max_cpu_loras` adapters loaded per engine and evicts the
+  least recently used. Each replica reports the adapters its engine holds, least recently used
+  first, and the median time its loads took, about once a second. Between reports this router
+  counts its own dispatches: A becomes the most recently used there, and those beyond the
+  capacity drop out, as in vLLM's cache.
+- **the slot.** One engine batch runs at most `max_loras` adapters. Where that many other
+  adapters have requests running, A's request waits until every request of one of them has
+  finished. With k requests in the smallest such group, each at a uniformly random point of a
+  request's duration D, the last of them ends after about D x k / (k + 1). D is the mean
+  duration of this router's adapter requests on the pool, from dispatch to the end of the reply.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from router.index import ReplicaId
 
 DEFAULT_LOAD_S = 0.05  # a load's cost before any replica of the pool has measured one
+DEFAULT_DURATION_S = 1.0  # a request's duration before this router has seen one end
+DURATION_WEIGHT = 0.1  # of each new request in the mean duration (an exponential average)
+MAX_TRACKED = 100_000  # requests dispatched and not yet finished that are followed
 
 
 class AdapterResidency:
-    """One pool's adapters per replica. Owned by the pool's routing service (one event loop)."""
+    """One pool's adapters per replica. Owned by the pool's routing service (one event loop).
+    `capacity` is the adapters an engine keeps loaded, `slots` those one batch runs."""
 
-    def __init__(self, capacity: int, prior_load_s: float = DEFAULT_LOAD_S) -> None:
+    def __init__(self, capacity: int, slots: int | None = None,
+                 prior_load_s: float = DEFAULT_LOAD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = max(1, capacity)
-        self._prior_load_s = prior_load_s
+        self.slots = max(1, slots or capacity)
+        self._prior_load_s, self._clock = prior_load_s, clock
         self._held: dict[ReplicaId, list[str]] = {}  # least recently used first
         self._load_s: dict[ReplicaId, float] = {}
+        self._running: dict[ReplicaId, dict[str, int]] = {}  # requests in flight per adapter
+        self._requests: dict[str, tuple[ReplicaId, str, float]] = {}
+        self.duration_s = DEFAULT_DURATION_S
 
     def reported(self, replica: ReplicaId, held: Sequence[str], load_s: float) -> None:
         """What the replica said it holds, and its measured load time (0: none measured)."""
@@ -35,22 +52,48 @@ class AdapterResidency:
     def forget(self, replica: ReplicaId) -> None:
         self._held.pop(replica, None)
         self._load_s.pop(replica, None)
+        self._running.pop(replica, None)
 
-    def dispatched(self, replica: ReplicaId, adapter: str) -> None:
-        """A request for `adapter` went to `replica`: it holds it now, as most recently used."""
+    def dispatched(self, replica: ReplicaId, adapter: str, request_id: str) -> None:
+        """A request for `adapter` went to `replica`: it holds it now, as most recently used,
+        and runs it until `finished(request_id)`."""
         held = self._held.setdefault(replica, [])
         if adapter in held:
             held.remove(adapter)
         held.append(adapter)
         del held[:-self.capacity]
+        running = self._running.setdefault(replica, {})
+        running[adapter] = running.get(adapter, 0) + 1
+        self._requests.pop(request_id, None)
+        self._requests[request_id] = (replica, adapter, self._clock())
+        if len(self._requests) > MAX_TRACKED:  # never finished (a caller's bug): forget it
+            self._end(next(iter(self._requests)), count=False)
+
+    def finished(self, request_id: str) -> None:
+        """The request's reply ended (or it failed): its adapter's slot may free."""
+        self._end(request_id, count=True)
+
+    def _end(self, request_id: str, count: bool) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        replica, adapter, started = entry
+        running = self._running.get(replica, {})
+        if running.get(adapter, 0) <= 1:
+            running.pop(adapter, None)
+        else:
+            running[adapter] -= 1
+        if count:
+            elapsed = self._clock() - started
+            self.duration_s += DURATION_WEIGHT * (elapsed - self.duration_s)
 
     def holds(self, replica: ReplicaId, adapter: str) -> bool:
         return adapter in self._held.get(replica, ())
 
     def load_cost_s(self, replica: ReplicaId, adapter: str | None) -> float:
-        """Seconds the request's adapter adds to its first token on `replica`: 0 where it is
-        held (or for the base model), else the replica's measured load time, or the pool's
-        median one where the replica has measured none yet.
+        """Seconds loading the request's adapter adds on `replica`: 0 where it is held (or for
+        the base model), else the replica's measured load time, or the pool's median one where
+        the replica has measured none yet.
 
         Example: a holds [x, y], measured 0.02 s; b holds [y], measured nothing; pool median
         0.02 -> x on a: 0.0; x on b: 0.02."""
@@ -62,6 +105,26 @@ class AdapterResidency:
         times = sorted(self._load_s.values())
         return times[len(times) // 2] if times else self._prior_load_s
 
-    def snapshot(self) -> dict[str, list[str]]:
+    def slot_wait_s(self, replica: ReplicaId, adapter: str | None) -> float:
+        """Seconds the request waits for a batch slot on `replica`: 0 where the adapter is
+        running there or a slot is free, else D x k / (k + 1) for the smallest running group.
+
+        Example (2 slots, D = 2 s): running {x: 3, y: 1} -> x or y: 0; z: 2 x 1/2 = 1.0 s."""
+        running = self._running.get(replica)
+        if adapter is None or not running or adapter in running or len(running) < self.slots:
+            return 0.0
+        smallest = min(running.values())
+        return self.duration_s * smallest / (smallest + 1)
+
+    def wait_s(self, replica: ReplicaId, adapter: str | None) -> float:
+        """What the request's adapter adds before its prefill starts on `replica`."""
+        if adapter is None:
+            return 0.0
+        return self.load_cost_s(replica, adapter) + self.slot_wait_s(replica, adapter)
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
         """Each replica's adapters as this router believes them (for admin views)."""
-        return {replica: list(held) for replica, held in self._held.items()}
+        replicas = self._held.keys() | self._running.keys()
+        return {replica: {"held": list(self._held.get(replica, ())),
+                          "running": dict(self._running.get(replica, {}))}
+                for replica in replicas}

@@ -32,8 +32,9 @@ class Candidate(msgspec.Struct, frozen=True):
     TTFT model, fitted online (router/ttft_model.py). `cache_fill` is the demand on the
     replica's prefix cache relative to its capacity: blocks held, plus blocks stored recently,
     plus the prompt blocks queued there, over its KV blocks (0 when the capacity is unknown).
-    `adapter_load_s` is what loading the request's LoRA adapter there would add (0 where the
-    replica holds it, or for the base model; router/adapters.py).
+    `adapter_wait_s` is what the request's LoRA adapter adds there before its prefill starts:
+    its load where the replica does not hold it, and the wait for a batch slot where the
+    replica runs as many other adapters as a batch can (0 for the base model; router/adapters.py).
     """
 
     replica: ReplicaId
@@ -46,13 +47,13 @@ class Candidate(msgspec.Struct, frozen=True):
     in_flight_cost_tokens: float = 128.0
     overhead_s: float = 0.0
     cache_fill: float = 0.0
-    adapter_load_s: float = 0.0
+    adapter_wait_s: float = 0.0
 
     def uncached_tokens(self, request: RouteRequest) -> int:
         return max(0, request.prompt_tokens - self.cached_tokens)
 
     def estimated_ttft_s(self, request: RouteRequest) -> float:
-        """Fixed overhead and the adapter's load, plus the work ahead of the request and its own
+        """Fixed overhead and the adapter's wait, plus the work ahead of the request and its own
         uncached prefill at the replica's prefill throughput. Work ahead is the prefill queued
         there plus, for each request in flight, `in_flight_cost_tokens` (its decode steps slow
         the prefill beside it).
@@ -63,7 +64,7 @@ class Candidate(msgspec.Struct, frozen=True):
         """
         work = (self.queued_prefill_tokens + self.in_flight * self.in_flight_cost_tokens
                 + self.uncached_tokens(request))
-        return self.overhead_s + self.adapter_load_s + work / max(self.prefill_tokens_per_s, 1.0)
+        return self.overhead_s + self.adapter_wait_s + work / max(self.prefill_tokens_per_s, 1.0)
 
     def estimated_delay_s(self, request: RouteRequest) -> float:
         """The waiting that placing the request here adds, summed over the replica's requests:

@@ -11,8 +11,9 @@ Formulas, for candidates c and request r (worked examples in each docstring):
                  own wait plus what its prefill makes the replica's requests wait
   cache_room     new * (1 + min fill) / (1 + c.cache_fill), where new is the share of the
                  prompt no candidate holds
-  adapter        1 where the replica holds the request's LoRA adapter (or it has none), else 0
-                 (ttft and delay count the adapter's measured load time instead)
+  adapter        1 where the request's LoRA adapter adds no wait on the replica (held, and
+                 running or a batch slot free; or no adapter), else 0 (ttft and delay count
+                 the wait itself: router/adapters.py)
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ class CacheRoomScorer:
 
 
 class AdapterScorer:
-    """Whether the replica holds the request's LoRA adapter: 1 if it does, or if the request
-    runs on the base model; 0 where the adapter would have to be loaded first.
+    """Whether the request's LoRA adapter can run at once on the replica: 1 if the replica
+    holds it and has a batch slot for it (or the request runs on the base model); 0 where it
+    must be loaded first or wait for a slot.
 
     Example: adapter x; a holds it, b does not (load 0.02 s) -> [1.0, 0.0].
     """
@@ -138,7 +140,7 @@ class AdapterScorer:
     name = "adapter"
 
     def score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
-        return [0.0 if c.adapter_load_s > 0 else 1.0 for c in candidates]
+        return [0.0 if c.adapter_wait_s > 0 else 1.0 for c in candidates]
 
 
 class OverloadFilter:

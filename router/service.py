@@ -143,7 +143,7 @@ class RoutingService:
         self._breakers.answered(replica)
         self._tracker.dispatched(key.request_id, replica, key.prompt_tokens - cached)
         if key.adapter is not None and self.adapters is not None:
-            self.adapters.dispatched(replica, key.adapter)
+            self.adapters.dispatched(replica, key.adapter, key.request_id)
         if key.block_hashes:
             self._history.record(replica, key.block_hashes)
         if self._metrics is not None:
@@ -199,6 +199,8 @@ class RoutingService:
     def finished(self, request_id: str) -> None:
         self._held.pop(request_id, None)
         self._tracker.finished(request_id)
+        if self.adapters is not None:
+            self.adapters.finished(request_id)
 
     def migration(self, outcome: str) -> None:
         """A stream lost its replica after sending tokens (see RouterMetrics.migrations)."""
@@ -269,7 +271,7 @@ class RoutingService:
                 overhead_s=model.overhead_s,
                 cache_fill=self._cache_fill(replica, view, queued // max(block, 1), now)
                 if room else 0.0,
-                adapter_load_s=adapters.load_cost_s(replica, adapter)
+                adapter_wait_s=adapters.wait_s(replica, adapter)
                 if adapter is not None and adapters is not None else 0.0,
             ))
         return out

@@ -137,7 +137,9 @@ class Admin:
                         "index_entries": p.service.index_entries(),
                         "index_bytes": p.service.index_bytes(),
                         "kv_event_streams": p.service.stream_health(), "held": p.held,
-                        "replicas": p.service.replicas()} for name, p in self._pools.items()}
+                        "replicas": p.service.replicas(),
+                        "adapters": p.service.adapters.snapshot() if p.service.adapters else {}}
+                 for name, p in self._pools.items()}
         responder.send(200, _encode({"ingress": {"pid": os.getpid(), "replica": self._replica_id},
                                      "pools": pools}))
 

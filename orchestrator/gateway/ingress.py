@@ -61,7 +61,8 @@ def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
         return PrefixBlockHasher(block_size, hash_algo)
 
     lora = topology.model_of(pool).lora
-    adapters = AdapterResidency(lora.resident) if lora and spec.adapters == "aware" else None
+    adapters = AdapterResidency(lora.resident, lora.max_loras) \
+        if lora and spec.adapters == "aware" else None
     return RoutingService(
         pool.name, policy, hasher, metrics, adapters=adapters,
         follow_events=topology.kv_events.enabled,

@@ -141,6 +141,25 @@ def test_a_shared_prefix_lands_on_the_rank_that_holds_it(dp: Topology) -> None:
         assert hits(_ranks(root)[1], 1 - rank) == hits(before, 1 - rank)  # none on the other
 
 
+def test_an_adapter_runs_on_the_rank_the_router_chose(dp: Topology,
+                                                     lora_reference: dict[str, Any]) -> None:
+    """Requests for an adapter, each placed on a rank: vLLM's own output with the same
+    LoRARequest, and the slots the router followed freed on every rank when they ended."""
+    root = gateway_url(dp)
+    for case, expected in zip(PROMPTS[:3], lora_reference["adapters"]["lora-0"], strict=False):
+        response = _post(root, "/v1/completions", {
+            "model": "lora-0", "prompt": f"{case.prompt}", "max_tokens": case.max_tokens,
+            "temperature": 0, "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == expected["token_ids"]
+    _wait(lambda: _get(root, "/tokenfab/replicas")[0]["adapters"] == ["lora-0"], 5,
+          "the replica to report the adapter its ranks hold")  # it reports every second
+    [replica] = _get(root, "/tokenfab/replicas")
+    adapters = _get(root, "/tokenfab/router")["pools"]["main"]["adapters"]
+    assert set(adapters) <= {f"{replica['replica_id']}/dp{rank}" for rank in (0, 1)}
+    assert adapters and all(entry["running"] == {} for entry in adapters.values())
+
+
 def test_status_shows_each_rank(dp: Topology) -> None:
     root = gateway_url(dp)
     replica, _ = _ranks(root)

@@ -132,13 +132,33 @@ def test_residency_counts_dispatches_between_reports_and_prices_a_load() -> None
     residency.reported(b, ["y"], 0.0)
     assert residency.load_cost_s(a, "x") == 0.0 and residency.load_cost_s(a, None) == 0.0
     assert residency.load_cost_s(b, "x") == 0.02  # the pool's median, b measured none
-    residency.dispatched(a, "z")  # evicts x, the least recently used
-    assert residency.snapshot()["a"] == ["y", "z"] and residency.load_cost_s(a, "x") == 0.02
+    residency.dispatched(a, "z", "r1")  # evicts x, the least recently used
+    assert residency.snapshot()["a"]["held"] == ["y", "z"]
+    assert residency.load_cost_s(a, "x") == 0.02
+
+
+def test_a_request_waits_for_a_batch_slot_where_other_adapters_fill_them() -> None:
+    now = [0.0]
+    a, b = ReplicaId("a"), ReplicaId("b")
+    residency = AdapterResidency(capacity=4, slots=2, clock=lambda: now[0])
+    for n, adapter in enumerate(["x", "x", "x", "y"]):
+        residency.dispatched(a, adapter, f"r{n}")
+    assert residency.slot_wait_s(a, "x") == 0.0 and residency.slot_wait_s(b, "z") == 0.0
+    assert residency.slot_wait_s(a, "z") == 1.0 * 1 / 2  # y's one request, D = 1 s (prior)
+    assert residency.wait_s(a, "z") == DEFAULT_LOAD_S + 0.5  # z is not loaded either
+    now[0] = 3.0
+    residency.finished("r3")  # y's slot frees; a request took 3 s
+    assert residency.slot_wait_s(a, "z") == 0.0
+    assert residency.duration_s == pytest.approx(1.0 + 0.1 * (3.0 - 1.0))
+    residency.dispatched(a, "y", "r4")
+    assert residency.slot_wait_s(a, "z") == pytest.approx(1.2 * 1 / 2)
+    residency.finished("unknown")  # a request it never saw: nothing changes
+    assert residency.snapshot()["a"]["running"] == {"x": 3, "y": 1}
 
 
 def test_the_router_prefers_the_replica_holding_the_adapter_as_ttft_says() -> None:
     request = RouteRequest(prompt_tokens=512, block_size=16, adapter="x")
-    held, cold = Candidate(ReplicaId("a")), Candidate(ReplicaId("b"), adapter_load_s=0.1)
+    held, cold = Candidate(ReplicaId("a")), Candidate(ReplicaId("b"), adapter_wait_s=0.1)
     assert AdapterScorer().score(request, [held, cold]) == [1.0, 0.0]
     assert cold.estimated_ttft_s(request) == pytest.approx(held.estimated_ttft_s(request) + 0.1)
     policy = build_policy("kv_aware", tolerance=0.0)
