@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -114,18 +116,47 @@ def kv_bytes_per_token(model: str) -> int:
 
 
 def start_engine(session: Session, model: str, core: int, port: int, kv_bytes: int,
-                 logs: Path) -> Process:
+                 logs: Path, extra: tuple[str, ...] = ()) -> Process:
     """A vLLM OpenAI server on 127.0.0.1:`port`, its engine pinned to `core`; prefix caching
-    and `POST /reset_prefix_cache` on, cached tokens reported in usage."""
+    and `POST /reset_prefix_cache` on, cached tokens reported in usage; `extra` arguments
+    after those (LoRA's, say)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", model, "--served-model-name", "tiny",
                "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                "--max-model-len", "2048", "--dtype", "bfloat16", "--enable-prefix-caching",
                "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", str(BLOCK_TOKENS),
-               "--enable-prompt-tokens-details"]
+               "--enable-prompt-tokens-details", *extra]
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_SERVER_DEV_MODE": "1"}
     return session.spawn(command, env, logs / f"vllm-{port}.log")
+
+
+def wait_ready(url: str, process: Process | None, timeout_s: float, path: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + path, timeout=5, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}{path} not ready after {timeout_s:g} s")
+        time.sleep(1.0)
+
+
+@contextmanager
+def routed(session: Session, system: str, policy: str, port: int, metrics_port: int,
+           workers: list[str], logs: Path) -> Iterator[str]:
+    """A router (start_router) while the block runs, ready: its URL."""
+    router = start_router(session, system, policy, port, metrics_port, workers, logs)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, router, 300, "/v1/models")
+        yield url
+    finally:
+        stop(router)
 
 
 def start_router(session: Session, system: str, policy: str, port: int, metrics_port: int,

@@ -71,9 +71,9 @@ from typing import Any
 import numpy as np
 
 import process_cpu
-from baseline_stack import (Session, kv_bytes_per_token, reset_prefix_caches, start_engine,
-                            start_router, stop)
-from h2h_client import MAX_TOKENS, one_at_a_time, replay, wait_ready, warm_up
+from baseline_stack import (Session, kv_bytes_per_token, reset_prefix_caches, routed,
+                            start_engine, wait_ready)
+from h2h_client import MAX_TOKENS, one_at_a_time, replay, warm_up
 from h2h_report import markdown, plot, ratios
 from harness import deployed, remove
 from machine import (check_loopback, prioritise_client, renice_engines, stray_processes,
@@ -317,16 +317,11 @@ class Bench:
                               {}, logs / "stack-load.log")
             for offset, (system, policy) in enumerate(setups):
                 port = ROUTER_PORT + SETUPS.index((system, policy))
-                router = start_router(session, system, policy, port, PROMETHEUS_PORT + offset,
-                                      urls, logs)
-                try:
-                    url = f"http://127.0.0.1:{port}"
-                    wait_ready(url, router, 300, "/v1/models")
+                with routed(session, system, policy, port, PROMETHEUS_PORT + offset, urls,
+                            logs) as url:
                     reset = lambda: reset_prefix_caches(urls)  # noqa: E731
                     self.run_front(Front(system, policy, url, reset))
                     reset()  # the warm-up and the last run leave nothing behind
-                finally:
-                    stop(router)
         finally:
             session.close()
 

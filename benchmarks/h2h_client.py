@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 
-from baseline_stack import Process
 from traces import Prompts, arrival_offsets
 
 MAX_TOKENS = 32
@@ -99,18 +98,3 @@ def warm_up(url: str, requests: list[dict[str, Any]], prompts: Prompts) -> bool:
     if bad:
         raise RuntimeError(f"{url}: warm-up failed: {bad[0]['status']} {bad[0]['error']}")
     return all(n is not None for r in results for _, n in r["chunks"])
-
-
-def wait_ready(url: str, process: Process | None, timeout_s: float, path: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + path, timeout=5, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}{path} not ready after {timeout_s:g} s")
-        time.sleep(1.0)

@@ -6,6 +6,7 @@ endpoint is exactly as compatible as vLLM's; this module only translates at the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from argparse import Namespace
@@ -355,6 +356,7 @@ class VllmEngine:
         self.block_size = 0  # the KV cache block size, known once started
         self.kv_blocks = 0  # the KV cache's capacity in blocks, known once started
         self._models: Any = None  # vLLM's OpenAIServingModels: the adapters requests can name
+        self._registering: dict[str, asyncio.Future] = {}  # adapters being registered, by name
         self.adapters = AdapterSlots(spec.lora.max_cpu_loras, self._load_adapter) \
             if spec.lora else None
 
@@ -449,18 +451,15 @@ class VllmEngine:
             raise EngineError(f"a request for adapter {adapter.name} reached an engine without "
                               "LoRA (model.lora unset): the gateway routes adapters only to "
                               "engines that run them")
-        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
-
         known = self._models.lora_requests.get(adapter.name)
         if known is None or known.lora_path != adapter.path:
-            started = time.monotonic()
-            result = await self._models.load_lora_adapter(LoadLoRAAdapterRequest(
-                lora_name=adapter.name, lora_path=adapter.path, load_inplace=known is not None))
-            if isinstance(result, self._error_type):
-                return result
-            # registering it loaded it into the engine (vLLM validates that way): a load
-            self.adapters.loaded(adapter.name, time.monotonic() - started)
-            return None
+            # one registration per adapter at a time: vLLM refuses a second as a duplicate
+            task = self._registering.get(adapter.name)
+            if task is None:
+                task = asyncio.ensure_future(self._register(adapter, replace=known is not None))
+                self._registering[adapter.name] = task
+                task.add_done_callback(lambda _: self._registering.pop(adapter.name, None))
+            return await asyncio.shield(task)
         try:
             await self.adapters.use(adapter.name)
         except Exception as exc:  # noqa: BLE001 - vLLM's error for a load that failed
@@ -469,6 +468,19 @@ class VllmEngine:
                 create_error_response)
 
             return create_error_response(exc)
+        return None
+
+    async def _register(self, adapter: AdapterRef, replace: bool) -> Any:
+        """vLLM's own dynamic loading: registers the adapter and loads it into the engine (which
+        validates it); timed, as a load. vLLM's error reply, or None."""
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        started = time.monotonic()
+        result = await self._models.load_lora_adapter(LoadLoRAAdapterRequest(
+            lora_name=adapter.name, lora_path=adapter.path, load_inplace=replace))
+        if isinstance(result, self._error_type):
+            return result
+        self.adapters.loaded(adapter.name, time.monotonic() - started)
         return None
 
     async def _load_adapter(self, name: str) -> None:

@@ -296,7 +296,7 @@ class RoutingService:
         request = _request(key)
         scored = self.policy.rank(request, candidates)
         return {
-            "pool": self.pool, "policy": self.policy.name,
+            "pool": self.pool, "policy": self.policy.name, "adapter": key.adapter,
             "prompt_tokens": key.prompt_tokens, "block_size": key.block_size,
             "block_hashes": [_hex(h) for h in key.block_hashes],
             "ranked": [c.replica for c in scored.ranked],
@@ -309,6 +309,7 @@ class RoutingService:
                 "in_flight_cost_tokens": round(float(c.in_flight_cost_tokens), 1),
                 "overhead_s": round(float(c.overhead_s), 4),
                 "cache_fill": round(float(c.cache_fill), 4),
+                "adapter_wait_s": round(float(c.adapter_wait_s), 6),
                 "estimated_ttft_s": round(float(c.estimated_ttft_s(request)), 6),
                 "estimated_delay_s": round(float(c.estimated_delay_s(request)), 6),
                 "score": round(float(scored.scores.get(c.replica, 0.0)), 6),

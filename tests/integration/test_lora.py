@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -138,24 +139,31 @@ def _tokenfab(*args: str) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT)
 
 
-def _served_by_every_ingress(root: str, model: str, status: int, replicas: int,
-                             within_s: float) -> float:
-    """Seconds until each ingress replica answered a request for `model` with `status`: fresh
-    connections land on the replicas at random; each asks the replica's id, then `model`."""
-    started, answered = time.monotonic(), set()
-    while len(answered) < replicas:
-        assert time.monotonic() - started < within_s, f"only {answered} within {within_s} s"
+def _every_ingress(root: str, check, replicas: int, within_s: float) -> float:
+    """Seconds until `check(client)` held on each ingress replica: fresh connections land on the
+    replicas at random; on each, the replica's id is asked first, then `check` runs."""
+    started, passed = time.monotonic(), set()
+    while len(passed) < replicas:
+        assert time.monotonic() - started < within_s, f"only {passed} within {within_s} s"
         with httpx.Client(trust_env=False, timeout=60) as client:  # one connection: one replica
             router = client.get(f"{root}/tokenfab/router",
                                 headers={"authorization": f"Bearer {ADMIN}"})
             ingress = router.json()["ingress"]["replica"]
-            response = _post(root, ALPHA, {"model": model, "prompt": "Hi", "max_tokens": 1},
-                             client=client)
-        if response.status_code == status:
-            answered.add(ingress)
-        else:
-            time.sleep(0.1)
+            if check(client):
+                passed.add(ingress)
+                continue
+        time.sleep(0.1)
     return time.monotonic() - started
+
+
+def _served_by_every_ingress(root: str, model: str, status: int, replicas: int,
+                             within_s: float) -> float:
+    """Seconds until each ingress replica answered a request for `model` with `status`."""
+    def answers(client: httpx.Client) -> bool:
+        body = {"model": model, "prompt": "Hi", "max_tokens": 1}
+        return _post(root, ALPHA, body, client=client).status_code == status
+
+    return _every_ingress(root, answers, replicas, within_s)
 
 
 def test_an_adapter_loaded_at_run_time_is_served_by_every_ingress_then_unloaded(
@@ -181,6 +189,27 @@ def test_an_adapter_loaded_at_run_time_is_served_by_every_ingress_then_unloaded(
                       lora.cluster.dashboard_url)
     assert again.returncode == 1 and "404" in again.stderr
     print(f"served by every ingress {seconds:.2f} s after the load")
+
+
+def test_concurrent_first_requests_for_a_new_adapter_all_run(root: str, lora: Topology) -> None:
+    """Requests that reach the engine together before it has ever seen the adapter: one
+    registers it with vLLM (which refuses a second registration as a duplicate), all run."""
+    name, path = "burst", f"{lora.model_of(lora.pool('main')).resolved_path}-lora/lora-{RUNTIME}"
+    added = _post(root, ADMIN, {"name": name, "path": path}, path="/tokenfab/adapters")
+    assert added.status_code == 200, added.text
+    try:
+        def lists_it(client: httpx.Client) -> bool:  # the gateway's list: no engine is asked
+            models = client.get(f"{root}/v1/models", headers={"authorization": f"Bearer {ALPHA}"})
+            return any(card["id"] == name for card in models.json()["data"])
+
+        _every_ingress(root, lists_it, lora.gateway.replicas, within_s=5)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: _post(root, ALPHA, {
+                "model": name, "prompt": f"burst {i}", "max_tokens": 2}), range(4)))
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    finally:
+        httpx.delete(f"{root}/tokenfab/adapters/{name}", trust_env=False,
+                     headers={"authorization": f"Bearer {ADMIN}"})
 
 
 def test_the_admin_route_checks_who_asks_and_what_is_loaded(root: str) -> None:
