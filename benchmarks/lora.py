@@ -17,9 +17,10 @@ bytes, prefix caching and LoRA on):
   with the adapters declared in the topology: round_robin; kv_aware with `router.adapters:
   ignore` (hashes and places as if every request ran on the base model); kv_aware aware of
   adapters (hashes with the adapter, counts loads and batch slots: router/adapters.py).
-- Ray Serve LLM's own LoRA multiplexing would be a baseline; `ray.serve.llm` does not import
-  beside the CPU build of vLLM (it needs `ray[llm]`, which pins a CUDA vLLM): the run records
-  the import error.
+- Ray Serve LLM's own LoRA multiplexing would be a baseline, but it loads adapters only from
+  cloud storage (`LoraConfig.dynamic_lora_loading_path`: s3://, gs://, abfss://, azure://),
+  which this machine cannot reach: the run records what its LoraConfig answers for the local
+  adapters folder.
 
 Per record: TTFT p50/p90/p99 (send -> first chunk with a token), output tok/s (completion tokens
 / (last end - first send)), hit rate (the engines' cached_tokens / prompt_tokens), adapter loads
@@ -31,8 +32,8 @@ favours the baselines). Baselines run first (servers started once, routers one a
 tokenfab (a deployment per setup), `--repeats` times over; caches start cold per replay (a new
 word namespace; the baselines' engines also reset their prefix caches).
 
-    .venv/bin/python benchmarks/lora.py [--rates 1,2.5] [--requests 120] [--repeats 1]
-        [--setups ...] [--zipf 1.1] [--kv-cache 24MiB]
+    .venv/bin/python benchmarks/lora.py [--rates 3,9] [--requests 200] [--repeats 1]
+        [--setups ...] [--zipf 1.1] [--kv-cache 24MiB] [--raw DIR]
 
 Writes benchmarks/results/lora.json and lora.md.
 """
@@ -239,12 +240,28 @@ def topology(policy: str, kv_cache: str, paths: list[Path]) -> Topology:
     }, f"lora benchmark ({policy})")
 
 
-def ray_serve_llm() -> str:
-    """Whether Ray Serve LLM's LoRA multiplexing can run here: its import error, or ''."""
-    probe = subprocess.run([sys.executable, "-c", "import ray.serve.llm"], capture_output=True,
-                           text=True, timeout=300)
-    lines = (probe.stdout + probe.stderr).strip().splitlines()
-    return "" if probe.returncode == 0 else (lines[-1] if lines else f"exit {probe.returncode}")
+_SERVE_LLM_PROBE = """
+import sys
+from ray.serve.llm import LLMConfig, LoraConfig
+try:
+    LoraConfig(dynamic_lora_loading_path=sys.argv[1])
+except Exception as exc:
+    errors = getattr(exc, "errors", None)
+    print(errors()[0]["msg"] if errors else repr(exc))
+"""
+
+
+def ray_serve_llm(adapters: Path) -> str:
+    """Why Ray Serve LLM's own LoRA multiplexing cannot serve the adapters here ('' if it
+    could): its import error, or what its LoraConfig says of a local adapters folder."""
+    probe = subprocess.run([sys.executable, "-c", _SERVE_LLM_PROBE, str(adapters)],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        lines = probe.stderr.strip().splitlines()
+        return f"import ray.serve.llm: {lines[-1] if lines else probe.returncode}"
+    answer = probe.stdout.strip().splitlines()
+    return f"LoraConfig(dynamic_lora_loading_path={str(adapters)!r}): {answer[-1]}" \
+        if answer else ""
 
 
 class Bench:
@@ -265,6 +282,12 @@ class Bench:
             with loads_of() as counter:
                 results = asyncio.run(replay(url, self.rows, Prompts(self.words, namespace),
                                              rate))
+            if self.args.raw:  # each request: its adapter, replica, send time and TTFT
+                raw = Path(self.args.raw) / f"{system}-{policy}-{rate:g}-{repeat}.json"
+                raw.write_text(json.dumps([
+                    {"adapter": row["adapter"], "replica": r["replica"], "sent": r["sent"],
+                     "status": r["status"], "ttft_s": r["chunks"][0][0] if r["chunks"] else None,
+                     "done": r["done"], "usage": r["usage"]} for row, r in zip(self.rows, results)]))
             record = {"system": system, "policy": policy, "repeat": repeat,
                       "load": "low" if index == 0 else "high", "rate": rate,
                       **summarize(results, counter.loads), "adapter_loads_counted":
@@ -365,7 +388,7 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"{load} load ({ours['rate']:g} req/s): TTFT p90 {p90:.2f}x the best baseline's "
             f"({best_p90['system']} {best_p90['policy']}; target <= 0.70: "
-            f"{'met' if p90 <= 0.7 else 'not met'}); output tok/s {tok:.2f}x the best "
+            f"{'met' if p90 <= 0.7 else 'not met'}); output tok/s {tok:.3f}x the best "
             f"({best_tok['system']} {best_tok['policy']}; target >= 1.00: "
             f"{'met' if tok >= 1.0 else 'not met'})")
         blind = next((r for r in at if r["policy"] == "kv_aware_adapter_blind"), None)
@@ -405,15 +428,14 @@ def markdown(result: dict[str, Any]) -> str:
               "sampled from vLLM's `vllm:lora_requests_info` every 50 ms (a load between two "
               "samples is missed, in the baselines' favour)."]
     if result["ray_serve_llm"]:
-        lines += ["", f"Ray Serve LLM was not run: `import ray.serve.llm` fails here: "
-                  f"`{result['ray_serve_llm']}`."]
+        lines += ["", f"Ray Serve LLM was not run: {result['ray_serve_llm']}"]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", default="1,2.5", help="low,high req/s")
-    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--rates", default="3,9", help="low,high req/s (9: near saturation)")
+    parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=7)
@@ -421,13 +443,14 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(f"{s}:{p}" for s, p in SETUPS))
     parser.add_argument("--client-nice", type=int, default=-10)
     parser.add_argument("--out", default=str(RESULTS / "lora.json"))
+    parser.add_argument("--raw", default=None, help="folder for each replay's requests")
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     setups = [tuple(s.split(":", 1)) for s in args.setups.split(",")]
     scheduling = prioritise_client(args.client_nice)
     paths = adapters()
     bench = Bench(args, workload(args.requests, args.zipf, args.seed), paths)
-    serve_llm = ray_serve_llm()
+    serve_llm = ray_serve_llm(Path(f"{MODEL}-lora"))
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as logs:
         for repeat in range(args.repeats):
             if base := [s for s in setups if s in BASELINES]:

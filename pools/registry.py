@@ -37,6 +37,7 @@ class RankReport(msgspec.Struct, frozen=True):
     load: LoadSnapshot
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
+    running_adapters: list[str] = msgspec.field(default_factory=list)  # in its batches now
 
 
 class ReplicaReport(msgspec.Struct, frozen=True):
@@ -67,10 +68,12 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     # index since it started (pools.vllm_engine.ExpertLoad); empty otherwise
     expert_tokens: list[int] = msgspec.field(default_factory=list)
     # LoRA adapters the engine holds loaded, least recently used first (pools.adapters), the
-    # median seconds a load took lately, and the loads since it started
+    # median seconds a load took lately, the loads since it started, and the adapters with
+    # requests running in its batches (every gateway's: the router's own view is its own)
     adapters: list[str] = msgspec.field(default_factory=list)
     adapter_load_s: float = 0.0
     adapter_loads: int = 0
+    running_adapters: list[str] = msgspec.field(default_factory=list)  # in its batches now
 
 
 class AdapterRecord(msgspec.Struct, frozen=True):

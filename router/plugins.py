@@ -32,9 +32,10 @@ class Candidate(msgspec.Struct, frozen=True):
     TTFT model, fitted online (router/ttft_model.py). `cache_fill` is the demand on the
     replica's prefix cache relative to its capacity: blocks held, plus blocks stored recently,
     plus the prompt blocks queued there, over its KV blocks (0 when the capacity is unknown).
-    `adapter_wait_s` is what the request's LoRA adapter adds there before its prefill starts:
-    its load where the replica does not hold it, and the wait for a batch slot where the
-    replica runs as many other adapters as a batch can (0 for the base model; router/adapters.py).
+    What the request's LoRA adapter adds there before its prefill starts (0 for the base model;
+    router/adapters.py): `adapter_load_s`, its load where the replica does not hold it, and
+    `adapter_slot_s`, the wait for a batch slot where the replica runs as many other adapters
+    as a batch can.
     """
 
     replica: ReplicaId
@@ -47,7 +48,8 @@ class Candidate(msgspec.Struct, frozen=True):
     in_flight_cost_tokens: float = 128.0
     overhead_s: float = 0.0
     cache_fill: float = 0.0
-    adapter_wait_s: float = 0.0
+    adapter_load_s: float = 0.0
+    adapter_slot_s: float = 0.0
 
     def uncached_tokens(self, request: RouteRequest) -> int:
         return max(0, request.prompt_tokens - self.cached_tokens)
@@ -64,7 +66,12 @@ class Candidate(msgspec.Struct, frozen=True):
         """
         work = (self.queued_prefill_tokens + self.in_flight * self.in_flight_cost_tokens
                 + self.uncached_tokens(request))
-        return self.overhead_s + self.adapter_wait_s + work / max(self.prefill_tokens_per_s, 1.0)
+        return (self.overhead_s + self.adapter_wait_s
+                + work / max(self.prefill_tokens_per_s, 1.0))
+
+    @property
+    def adapter_wait_s(self) -> float:
+        return self.adapter_load_s + self.adapter_slot_s
 
     def estimated_delay_s(self, request: RouteRequest) -> float:
         """The waiting that placing the request here adds, summed over the replica's requests:

@@ -13,7 +13,7 @@ from typing import Any
 from router.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker
 from router.index import ReplicaId
 from router.plugins import Candidate, Filter, Picker, RouteRequest
-from router.scorers import SCORERS, OverloadFilter
+from router.scorers import SCORERS, AdapterSlotFilter, OverloadFilter
 
 # Default scorer weights of each score-based policy; `router.weights` in a topology replaces them.
 DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
@@ -150,5 +150,6 @@ def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
         return Policy(name, [], DEFAULT_WEIGHTS[name], PowerOfTwoPicker(rng),
                       max_candidates=max_candidates, rng=rng)
     chosen = dict(weights) if weights else DEFAULT_WEIGHTS[name]
-    return Policy(name, [OverloadFilter(max_in_flight)], chosen, MaxScorePicker(tolerance, rng),
+    return Policy(name, [OverloadFilter(max_in_flight), AdapterSlotFilter()], chosen,
+                  MaxScorePicker(tolerance, rng),
                   max_candidates=max_candidates, rng=rng)

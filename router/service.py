@@ -271,7 +271,9 @@ class RoutingService:
                 overhead_s=model.overhead_s,
                 cache_fill=self._cache_fill(replica, view, queued // max(block, 1), now)
                 if room else 0.0,
-                adapter_wait_s=adapters.wait_s(replica, adapter)
+                adapter_load_s=adapters.load_cost_s(replica, adapter)
+                if adapter is not None and adapters is not None else 0.0,
+                adapter_slot_s=adapters.slot_wait_s(replica, adapter)
                 if adapter is not None and adapters is not None else 0.0,
             ))
         return out
@@ -309,7 +311,8 @@ class RoutingService:
                 "in_flight_cost_tokens": round(float(c.in_flight_cost_tokens), 1),
                 "overhead_s": round(float(c.overhead_s), 4),
                 "cache_fill": round(float(c.cache_fill), 4),
-                "adapter_wait_s": round(float(c.adapter_wait_s), 6),
+                "adapter_load_s": round(float(c.adapter_load_s), 6),
+                "adapter_slot_s": round(float(c.adapter_slot_s), 6),
                 "estimated_ttft_s": round(float(c.estimated_ttft_s(request)), 6),
                 "estimated_delay_s": round(float(c.estimated_delay_s(request)), 6),
                 "score": round(float(scored.scores.get(c.replica, 0.0)), 6),
@@ -382,7 +385,8 @@ class RoutingService:
             for replica in gone:
                 self.adapters.forget(replica)
             for view in views:
-                self.adapters.reported(view.replica, view.adapters, view.adapter_load_s)
+                self.adapters.reported(view.replica, view.adapters, view.adapter_load_s,
+                                       view.running_adapters)
         if self._follow_events:
             for view in views:
                 if view.kv_events_endpoint and view.replica not in self._tasks:
