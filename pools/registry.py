@@ -69,7 +69,8 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     expert_tokens: list[int] = msgspec.field(default_factory=list)
     # LoRA adapters the engine holds loaded, least recently used first (pools.adapters), the
     # median seconds a load took lately, the loads since it started, and the adapters with
-    # requests running in its batches (every gateway's: the router's own view is its own)
+    # requests running in its batches (every gateway's; for operators: the router counts its
+    # own requests, which it knows at once)
     adapters: list[str] = msgspec.field(default_factory=list)
     adapter_load_s: float = 0.0
     adapter_loads: int = 0

@@ -12,8 +12,10 @@ Two things delay a request for adapter A on a replica, besides the queue every r
   finished. With k requests in the smallest such group, each at a uniformly random point of a
   request's duration D, the last of them ends after about D x k / (k + 1). D is the mean
   duration of this router's adapter requests on the pool, from dispatch to the end of the reply.
-  The router counts its own requests; the adapters running there for other gateways (ingress
-  replicas each route their own requests) come from the replica's report, one request each.
+  The router counts its own requests only. The adapters a replica reports running (for every
+  gateway) are up to a second old, and a slot wait decides where a request may go
+  (scorers.AdapterSlotFilter): at 3 req/s, where requests last about 0.3 s, adding them sent
+  requests away from replicas whose slots had long freed (benchmarks/results/lora-notes.md).
 """
 
 from __future__ import annotations
@@ -42,16 +44,12 @@ class AdapterResidency:
         self._held: dict[ReplicaId, list[str]] = {}  # least recently used first
         self._load_s: dict[ReplicaId, float] = {}
         self._running: dict[ReplicaId, dict[str, int]] = {}  # requests in flight per adapter
-        self._reported_running: dict[ReplicaId, frozenset[str]] = {}
         self._requests: dict[str, tuple[ReplicaId, str, float]] = {}
         self.duration_s = DEFAULT_DURATION_S
 
-    def reported(self, replica: ReplicaId, held: Sequence[str], load_s: float,
-                 running: Sequence[str] = ()) -> None:
-        """What the replica said it holds, its measured load time (0: none measured), and the
-        adapters running in its batches (every gateway's requests)."""
+    def reported(self, replica: ReplicaId, held: Sequence[str], load_s: float) -> None:
+        """What the replica said it holds, and its measured load time (0: none measured)."""
         self._held[replica] = list(held)[-self.capacity:]
-        self._reported_running[replica] = frozenset(running)
         if load_s > 0:
             self._load_s[replica] = load_s
 
@@ -59,7 +57,6 @@ class AdapterResidency:
         self._held.pop(replica, None)
         self._load_s.pop(replica, None)
         self._running.pop(replica, None)
-        self._reported_running.pop(replica, None)
 
     def dispatched(self, replica: ReplicaId, adapter: str, request_id: str) -> None:
         """A request for `adapter` went to `replica`: it holds it now, as most recently used,
@@ -116,14 +113,9 @@ class AdapterResidency:
         """Seconds the request waits for a batch slot on `replica`: 0 where the adapter is
         running there or a slot is free, else D x k / (k + 1) for the smallest running group.
 
-        Example (2 slots, D = 2 s): running {x: 3, y: 1} -> x or y: 0; z: 2 x 1/2 = 1.0 s.
-        The same where this router runs {x: 3} and the replica reports y running."""
-        if adapter is None:
-            return 0.0
-        running = dict(self._running.get(replica, {}))
-        for other in self._reported_running.get(replica, ()):
-            running.setdefault(other, 1)
-        if adapter in running or len(running) < self.slots:
+        Example (2 slots, D = 2 s): running {x: 3, y: 1} -> x or y: 0; z: 2 x 1/2 = 1.0 s."""
+        running = self._running.get(replica)
+        if adapter is None or not running or adapter in running or len(running) < self.slots:
             return 0.0
         smallest = min(running.values())
         return self.duration_s * smallest / (smallest + 1)
@@ -138,6 +130,5 @@ class AdapterResidency:
         """Each replica's adapters as this router believes them (for admin views)."""
         replicas = self._held.keys() | self._running.keys()
         return {replica: {"held": list(self._held.get(replica, ())),
-                          "running": dict(self._running.get(replica, {})),
-                          "reported_running": sorted(self._reported_running.get(replica, ()))}
+                          "running": dict(self._running.get(replica, {}))}
                 for replica in replicas}

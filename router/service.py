@@ -385,8 +385,7 @@ class RoutingService:
             for replica in gone:
                 self.adapters.forget(replica)
             for view in views:
-                self.adapters.reported(view.replica, view.adapters, view.adapter_load_s,
-                                       view.running_adapters)
+                self.adapters.reported(view.replica, view.adapters, view.adapter_load_s)
         if self._follow_events:
             for view in views:
                 if view.kv_events_endpoint and view.replica not in self._tasks:

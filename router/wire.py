@@ -46,4 +46,3 @@ class ReplicaView(msgspec.Struct, frozen=True):
     rank: int | None = None  # the data-parallel rank, or None: the whole engine
     adapters: tuple[str, ...] = ()  # LoRA adapters the engine holds, least recently used first
     adapter_load_s: float = 0.0  # its median adapter load time lately (0: none measured)
-    running_adapters: tuple[str, ...] = ()  # adapters in its batches, every gateway's requests

@@ -46,14 +46,12 @@ def views_of(report: ReplicaReport, route_ranks: bool = True) -> list[ReplicaVie
     if not route_ranks:
         return [_view(report, ReplicaId(report.replica_id), report.load, None, None)]
     return [_view(report, target_id(report.replica_id, rank.rank), rank.load,
-                  rank.kv_events_endpoint, rank.kv_replay_endpoint, rank.rank,
-                  rank.running_adapters)
+                  rank.kv_events_endpoint, rank.kv_replay_endpoint, rank.rank)
             for rank in report.ranks]
 
 
 def _view(report: ReplicaReport, target: ReplicaId, load: LoadSnapshot, events: str | None,
-          replay: str | None, rank: int | None = None,
-          running: list[str] | None = None) -> ReplicaView:
+          replay: str | None, rank: int | None = None) -> ReplicaView:
     return ReplicaView(
         replica=target, pool=report.pool, state=report.state,
         kv_events_endpoint=events, kv_replay_endpoint=replay,
@@ -64,7 +62,6 @@ def _view(report: ReplicaReport, target: ReplicaId, load: LoadSnapshot, events: 
         + load.prompt_tokens_transferred,
         host=report.replica_id if rank is not None else "", rank=rank,
         adapters=tuple(report.adapters), adapter_load_s=report.adapter_load_s,
-        running_adapters=tuple(report.running_adapters if running is None else running),
     )
 
 

@@ -156,30 +156,6 @@ def test_a_request_waits_for_a_batch_slot_where_other_adapters_fill_them() -> No
     assert residency.snapshot()["a"]["running"] == {"x": 3, "y": 1}
 
 
-def test_adapters_other_gateways_run_take_slots_too() -> None:
-    a = ReplicaId("a")
-    residency = AdapterResidency(capacity=4, slots=2)
-    residency.dispatched(a, "x", "r1")
-    assert residency.slot_wait_s(a, "z") == 0.0  # one slot free, as far as this router knows
-    residency.reported(a, ["x", "y"], 0.01, running=["y"])  # another gateway's request runs y
-    assert residency.slot_wait_s(a, "z") == pytest.approx(1.0 * 1 / 2)
-    assert residency.slot_wait_s(a, "y") == 0.0
-    residency.finished("r1")
-    assert residency.slot_wait_s(a, "z") == 0.0  # y alone: a slot is free
-
-
-def test_the_router_prefers_the_replica_holding_the_adapter_as_ttft_says() -> None:
-    request = RouteRequest(prompt_tokens=512, block_size=16, adapter="x")
-    held, cold = Candidate(ReplicaId("a")), Candidate(ReplicaId("b"), adapter_load_s=0.1)
-    assert AdapterScorer().score(request, [held, cold]) == [1.0, 0.0]
-    assert cold.estimated_ttft_s(request) == pytest.approx(held.estimated_ttft_s(request) + 0.1)
-    policy = build_policy("kv_aware", tolerance=0.0)
-    assert policy.rank(request, [cold, held]).ranked[0].replica == "a"
-    # a busy holder loses to an idle replica when the load is cheaper than the queue
-    busy = Candidate(ReplicaId("a"), queued_prefill_tokens=8000)
-    assert policy.rank(request, [busy, cold]).ranked[0].replica == "b"
-
-
 @pytest.mark.parametrize(("adapter", "slots", "kept"), [
     ("x", [0.2, 0.0, 0.1], ["b"]),
     ("x", [0.2, 0.1, 0.3], ["a", "b", "c"]),  # none can run it at once: all stay
