@@ -71,11 +71,6 @@ def build_tiny_adapter(base: Path, out: Path, index: int) -> Path:
     return out
 
 
-def build_tiny_adapters(base: Path, out: Path, count: int) -> list[Path]:
-    """Adapters 0..count-1 of the tiny model at `base`, in `out/lora-<i>`."""
-    return [build_tiny_adapter(base, Path(out) / adapter_name(i), i) for i in range(count)]
-
-
 def ensure_tiny_adapter(base: Path, out: Path, index: int) -> Path:
     """Return `out` untouched if it holds an adapter, else build adapter `index` there
     atomically (replicas starting together may race for it)."""

@@ -91,9 +91,6 @@ class AdapterResidency:
             elapsed = self._clock() - started
             self.duration_s += DURATION_WEIGHT * (elapsed - self.duration_s)
 
-    def holds(self, replica: ReplicaId, adapter: str) -> bool:
-        return adapter in self._held.get(replica, ())
-
     def load_cost_s(self, replica: ReplicaId, adapter: str | None) -> float:
         """Seconds loading the request's adapter adds on `replica`: 0 where it is held (or for
         the base model), else the replica's measured load time, or the pool's median one where
@@ -119,12 +116,6 @@ class AdapterResidency:
             return 0.0
         smallest = min(running.values())
         return self.duration_s * smallest / (smallest + 1)
-
-    def wait_s(self, replica: ReplicaId, adapter: str | None) -> float:
-        """What the request's adapter adds before its prefill starts on `replica`."""
-        if adapter is None:
-            return 0.0
-        return self.load_cost_s(replica, adapter) + self.slot_wait_s(replica, adapter)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Each replica's adapters as this router believes them (for admin views)."""

@@ -9,6 +9,7 @@ other tenant: its name gets the same 404 as a name nobody loaded, and `/v1/model
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,7 @@ class AdapterCatalog:
             raise GatewayError(400, f"{unknown[0]}: unknown field", unknown[0])
         parent = self._parent(body.get("model"))
         name, path, tenants = body.get("name"), body.get("path"), body.get("tenants")
-        if not isinstance(name, str) or not _valid_name(name):
+        if not isinstance(name, str) or re.fullmatch(ADAPTER_NAME, name) is None:
             raise GatewayError(400, f"name: expected a name matching {ADAPTER_NAME}", "name")
         if name in self.models or name in self._declared:
             raise GatewayError(409, f"name: {name!r} is declared in the topology", "name",
@@ -159,9 +160,3 @@ class AdapterCatalog:
         if not isinstance(rank, int) or rank > limit:
             raise GatewayError(400, f"path: the adapter's rank {rank!r} exceeds "
                                f"model.lora.max_rank ({limit})", "path")
-
-
-def _valid_name(name: str) -> bool:
-    import re
-
-    return re.fullmatch(ADAPTER_NAME, name) is not None

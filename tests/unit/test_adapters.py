@@ -145,7 +145,7 @@ def test_a_request_waits_for_a_batch_slot_where_other_adapters_fill_them() -> No
         residency.dispatched(a, adapter, f"r{n}")
     assert residency.slot_wait_s(a, "x") == 0.0 and residency.slot_wait_s(b, "z") == 0.0
     assert residency.slot_wait_s(a, "z") == 1.0 * 1 / 2  # y's one request, D = 1 s (prior)
-    assert residency.wait_s(a, "z") == DEFAULT_LOAD_S + 0.5  # z is not loaded either
+    assert residency.load_cost_s(a, "z") == DEFAULT_LOAD_S  # z is not loaded either
     now[0] = 3.0
     residency.finished("r3")  # y's slot frees; a request took 3 s
     assert residency.slot_wait_s(a, "z") == 0.0
