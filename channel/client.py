@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 
 from channel import frames
-from channel.frames import Head, Held, Hello, Kind, Open, Refused, Request, Usage, hello_proof
+from channel.frames import (Adapters, Head, Held, Hello, Kind, Open, Refused, Request, Usage,
+                            hello_proof)
 
 Sink = Callable[[bytes, bool], None]  # (reply bytes, carries tokens)
 
@@ -95,6 +96,8 @@ class ReplicaLink(asyncio.Protocol):
         self._challenge: asyncio.Future[bytes] | None = None  # the replica's nonce, at connect
         self._nonce = b""  # this connection's, in OPEN (drawn by connect)
         self.on_state: Callable[[ReplicaLink], None] | None = None
+        self.adapters: Adapters | None = None  # as the replica last said (None: it has not)
+        self.on_adapters: Callable[[ReplicaLink], None] | None = None
 
     @property
     def open_streams(self) -> int:
@@ -194,6 +197,11 @@ class ReplicaLink(asyncio.Protocol):
             self.state = frames.decode(Kind.STATE, payload).state
             if self.on_state is not None:
                 self.on_state(self)
+            return
+        if kind == Kind.ADAPTERS:
+            self.adapters = frames.decode(Kind.ADAPTERS, payload)
+            if self.on_adapters is not None:
+                self.on_adapters(self)
             return
         stream = self._streams.get(stream_id)
         if stream is None:

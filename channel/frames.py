@@ -3,7 +3,7 @@
     frame   = header payload
     header  = payload length (u32) | stream id (u32) | kind (u8)      network byte order, 9 bytes
 
-Stream 0 is the connection itself (OPEN, CHALLENGE, HELLO, HELD, STATE). Each end proves the
+Stream 0 is the connection itself (OPEN, CHALLENGE, HELLO, HELD, STATE, ADAPTERS). Each end proves the
 application's secret to the other, without sending it, over nonces new for each connection:
 
     gateway -> OPEN       its nonce
@@ -42,7 +42,7 @@ MAX_PAYLOAD = 64 << 20  # a frame larger than this is a protocol error (request 
 MAX_HELLO_PAYLOAD = 4096  # before a peer proves the secret: HELLO is well under this
 SECRET_BYTES = 32
 NONCE_BYTES = 16
-VERSION = 2  # of the handshake: a gateway and a replica of different versions do not talk
+VERSION = 3  # of the handshake: a gateway and a replica of different versions do not talk
 
 
 class Kind(IntEnum):
@@ -60,6 +60,7 @@ class Kind(IntEnum):
     TOKENS = 12  # replica -> gateway: Tokens (TOKEN with the token ids, for track_tokens)
     CHALLENGE = 13  # replica -> gateway, stream 0: Challenge; the replica's first frame
     OPEN = 14  # gateway -> replica, stream 0: Open; the gateway's first frame
+    ADAPTERS = 15  # replica -> gateway, stream 0: Adapters; whenever they change
 
 
 class Open(msgspec.Struct, array_like=True, frozen=True):
@@ -167,11 +168,22 @@ class State(msgspec.Struct, array_like=True, frozen=True):
     state: str  # "ready" or "draining"
 
 
+class Adapters(msgspec.Struct, array_like=True, frozen=True):
+    """The LoRA adapters a replica's engine holds and runs, sent to every gateway as they change
+    (a request starts or ends with one, one is loaded), so that each gateway routes by what all
+    gateways sent there, not by its own requests alone."""
+
+    held: list[str]  # loaded in the engine, least recently used first
+    running: list[dict[str, int]]  # per data-parallel rank (one for one rank): requests in
+    # flight per adapter
+
+
 encode = msgspec.msgpack.Encoder().encode
 _decoders = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in (
     (Kind.HELLO, Hello), (Kind.REQUEST, Request), (Kind.HELD, Held), (Kind.HEAD, Head),
     (Kind.END, Usage), (Kind.TOKENS, Tokens), (Kind.REFUSED, Refused), (Kind.FAILED, Failed),
-    (Kind.STATE, State), (Kind.CHALLENGE, Challenge), (Kind.OPEN, Open))}
+    (Kind.STATE, State), (Kind.CHALLENGE, Challenge), (Kind.OPEN, Open),
+    (Kind.ADAPTERS, Adapters))}
 
 
 class ProtocolError(Exception):

@@ -15,7 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from channel.client import LinkLost, ReplyFailed, ReplyStream
-from channel.frames import Head, Refused, Request, Usage
+from channel.frames import Adapters, Head, Refused, Request, Usage
 
 if TYPE_CHECKING:
     from channel.server import Handler
@@ -74,6 +74,8 @@ class LocalLink:
         self._tasks: dict[int, asyncio.Task] = {}
         self._ids = itertools.count(1)
         self.on_state = None
+        self.adapters: Adapters | None = None  # as the replica last said (None: it has not)
+        self.on_adapters = None
 
     @property
     def open_streams(self) -> int:
@@ -111,6 +113,11 @@ class LocalLink:
         self.state = state
         if self.on_state is not None:
             self.on_state(self)
+
+    def set_adapters(self, adapters: Adapters) -> None:
+        self.adapters = adapters
+        if self.on_adapters is not None:
+            self.on_adapters(self)
 
     def close(self) -> None:
         """The gateway lets go of the link (it is the server's to stop): nothing to do."""

@@ -18,7 +18,8 @@ from functools import partial
 from typing import Protocol
 
 from channel import frames
-from channel.frames import Challenge, Failed, Head, Kind, Refused, Request, State, Tokens, Usage
+from channel.frames import (Adapters, Challenge, Failed, Head, Kind, Refused, Request, State,
+                            Tokens, Usage)
 from channel.local import LocalLink
 
 logger = logging.getLogger(__name__)
@@ -179,6 +180,7 @@ class ChannelServer:
         self._local: list[LocalLink] = []
         self._server: asyncio.Server | None = None
         self._state = "ready"
+        self._adapters: bytes | None = None  # the latest ADAPTERS payload (None: none sent)
 
     async def start(self, host: str, port: int = 0) -> int:
         """Bind and listen; returns the port (a free one when `port` is 0)."""
@@ -190,6 +192,8 @@ class ChannelServer:
         """A link for a gateway in this process: its requests reach `handler` as calls."""
         link = LocalLink(replica_id, self.handler)
         link.state = self._state
+        if self._adapters is not None:
+            link.adapters = frames.decode(Kind.ADAPTERS, self._adapters)
         self._local.append(link)
         return link
 
@@ -197,6 +201,8 @@ class ChannelServer:
         self._connections.add(connection)
         if self._state != "ready":
             connection.send(Kind.STATE, 0, frames.encode(State(self._state)))
+        if self._adapters is not None:
+            connection.send(Kind.ADAPTERS, 0, self._adapters)
 
     def forget(self, connection: _Connection) -> None:
         self._connections.discard(connection)
@@ -208,6 +214,14 @@ class ChannelServer:
             connection.send(Kind.STATE, 0, frames.encode(State(state)))
         for link in self._local:
             link.set_state(state)
+
+    def set_adapters(self, adapters: Adapters) -> None:
+        """Tell every gateway (now and later) the adapters the replica holds and runs."""
+        self._adapters = frames.encode(adapters)
+        for connection in self._connections:
+            connection.send(Kind.ADAPTERS, 0, self._adapters)
+        for link in self._local:
+            link.set_adapters(adapters)
 
     def held(self) -> int:
         """Requests the connected gateways (and one in this process) hold for this replica's

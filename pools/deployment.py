@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import msgspec
@@ -24,6 +24,7 @@ from channel.server import ChannelServer, Reply, Request
 from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
+from pools.adapters import AdapterBoard
 from pools.cores import CoreClaim, claim_cores
 from pools.engine import (Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace,
                           openai_error)
@@ -118,6 +119,7 @@ class PoolReplica:
         self._engine = VllmEngine(spec)
         self._channel: ChannelServer | None = None
         self._channel_address: str | None = None
+        self._board: AdapterBoard | None = None  # with LoRA: tells the gateways the adapters
         self._registry = Registry(settings.app)
         self._reporter = asyncio.create_task(self._report_forever(), name="registry-reporter")
         if spec.generate or (spec.lora and spec.lora.generate):
@@ -127,6 +129,9 @@ class PoolReplica:
                                       self._replica_id)
         port = await self._channel.start(self._node_ip)
         self._channel_address = f"{self._node_ip}:{port}"
+        if self._engine.adapters is not None:
+            self._board = AdapterBoard(self._engine.adapters, settings.data,
+                                       self._channel.set_adapters)
         self._engine_start_s = time.time() - self._started
         self._state = "ready"
         logger.info("replica %s of pool %s ready in %.1f s", self._replica_id, settings.pool,
@@ -193,7 +198,7 @@ class PoolReplica:
         meter = StreamMeter(keep_usage, resumed=None if resume is None else len(resume))
         tracked, streaming = request.track_tokens, False
         trace = TokenTrace(resume or ()) if tracked or resume is not None else None
-        with self._counted_on(request.rank):
+        with self._counted_on(request.rank), self._running(request):
             async for item in self._engine.reply(request.endpoint, body, trace, request.rank,
                                                  request.adapter):
                 if isinstance(item, ReplyHead):
@@ -221,6 +226,12 @@ class PoolReplica:
         finally:
             if counted:
                 self._rank_in_flight[rank] -= 1
+
+    def _running(self, request: Request) -> AbstractContextManager[None]:
+        """The request's adapter is in flight here while the block runs (the gateways hear)."""
+        if self._board is None or request.adapter is None:
+            return nullcontext()
+        return self._board.running(request.adapter.name, request.rank)
 
     # -- Serve handle methods ----------------------------------------------------------------
 

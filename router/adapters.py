@@ -3,21 +3,22 @@ and what a request for an adapter costs on each replica before its prefill can s
 
 Two things delay a request for adapter A on a replica, besides the queue every request sees:
 - **the load.** vLLM keeps at most `max_cpu_loras` adapters loaded per engine and evicts the
-  least recently used. Each replica reports the adapters its engine holds, least recently used
-  first, and the median time its loads took, about once a second. Between reports this router
-  counts its own dispatches: A becomes the most recently used there, and those beyond the
-  capacity drop out, as in vLLM's cache.
+  least recently used. A replica tells every gateway the adapters its engine holds, least
+  recently used first, whenever that changes (the data channel's ADAPTERS frame), and reports
+  the median time its loads took about once a second. Between two frames this router counts
+  its own dispatches: A becomes the most recently used there, and those beyond the capacity
+  drop out, as in vLLM's cache.
 - **the slot.** One engine batch runs at most `max_loras` adapters. Where that many other
   adapters have requests running, A's request waits until every request of one of them has
   finished. With k requests in the smallest such group, each at a uniformly random point of a
   request's duration D, the last of them ends after about D x k / (k + 1). D is the mean
   duration of this router's adapter requests on the pool, from dispatch to the end of the reply.
-  The router counts its own requests only. The adapters a replica reports running (for every
-  gateway) are up to a second old, and a slot wait decides where a request may go
-  (scorers.AdapterSlotFilter): at 3 req/s, where requests last about 0.3 s, adding them sent
-  requests away from replicas whose slots had long freed (benchmarks/results/lora-notes.md).
+  The requests running on a replica are, per adapter, the larger of this router's count and
+  the replica's own (its ADAPTERS frames count every gateway's requests, a few milliseconds
+  late; this router's count has its latest dispatches at once). The registry's reports of the
+  adapters running are not used: at up to a second old, they sent requests away from replicas
+  whose slots had long freed (benchmarks/results/lora-notes.md).
 """
-
 from __future__ import annotations
 
 import time
@@ -43,20 +44,31 @@ class AdapterResidency:
         self._prior_load_s, self._clock = prior_load_s, clock
         self._held: dict[ReplicaId, list[str]] = {}  # least recently used first
         self._load_s: dict[ReplicaId, float] = {}
-        self._running: dict[ReplicaId, dict[str, int]] = {}  # requests in flight per adapter
+        self._running: dict[ReplicaId, dict[str, int]] = {}  # this router's, per adapter
+        self._said: dict[ReplicaId, dict[str, int]] = {}  # the replica's (every gateway's)
         self._requests: dict[str, tuple[ReplicaId, str, float]] = {}
         self.duration_s = DEFAULT_DURATION_S
 
     def reported(self, replica: ReplicaId, held: Sequence[str], load_s: float) -> None:
-        """What the replica said it holds, and its measured load time (0: none measured)."""
-        self._held[replica] = list(held)[-self.capacity:]
+        """The replica's registry report: its measured load time (0: none measured), and the
+        adapters it holds, used until it tells them over the channel (`observed`)."""
+        if replica not in self._said:
+            self._held[replica] = list(held)[-self.capacity:]
         if load_s > 0:
             self._load_s[replica] = load_s
+
+    def observed(self, replica: ReplicaId, held: Sequence[str],
+                 running: dict[str, int]) -> None:
+        """What the replica told just now: the adapters it holds (least recently used first),
+        and its requests in flight per adapter, from every gateway."""
+        self._held[replica] = list(held)[-self.capacity:]
+        self._said[replica] = dict(running)
 
     def forget(self, replica: ReplicaId) -> None:
         self._held.pop(replica, None)
         self._load_s.pop(replica, None)
         self._running.pop(replica, None)
+        self._said.pop(replica, None)
 
     def dispatched(self, replica: ReplicaId, adapter: str, request_id: str) -> None:
         """A request for `adapter` went to `replica`: it holds it now, as most recently used,
@@ -111,15 +123,28 @@ class AdapterResidency:
         running there or a slot is free, else D x k / (k + 1) for the smallest running group.
 
         Example (2 slots, D = 2 s): running {x: 3, y: 1} -> x or y: 0; z: 2 x 1/2 = 1.0 s."""
-        running = self._running.get(replica)
+        running = self.running(replica)
         if adapter is None or not running or adapter in running or len(running) < self.slots:
             return 0.0
         smallest = min(running.values())
         return self.duration_s * smallest / (smallest + 1)
 
+    def running(self, replica: ReplicaId) -> dict[str, int]:
+        """Requests in flight on `replica` per adapter: per adapter, the larger of this
+        router's count and the replica's latest.
+
+        Example: this router sent x twice; the replica said {x: 1, y: 2} -> {x: 2, y: 2}."""
+        own, said = self._running.get(replica, {}), self._said.get(replica, {})
+        if not said:
+            return own
+        merged = dict(said)
+        for adapter, count in own.items():
+            merged[adapter] = max(count, merged.get(adapter, 0))
+        return merged
+
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Each replica's adapters as this router believes them (for admin views)."""
-        replicas = self._held.keys() | self._running.keys()
+        replicas = self._held.keys() | self._running.keys() | self._said.keys()
         return {replica: {"held": list(self._held.get(replica, ())),
-                          "running": dict(self._running.get(replica, {}))}
+                          "running": self.running(replica)}
                 for replica in replicas}

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 
 import msgspec
 
@@ -203,12 +204,15 @@ class PoolDispatcher:
         self._targets = {view.replica: (ReplicaId(view.host) if view.rank is not None
                                         else view.replica, view.rank) for view in views}
         self.service.set_replicas(views)
+        for replica, link in self._links.items():  # targets may be new: what each said last
+            self._adapters_said(replica, link)
         self._notify()
 
     def _connect(self, replica: ReplicaId, address: str) -> None:
         local = self._local.get(replica)
         if local is not None:
             local.on_state = lambda _link: self._notify()
+            local.on_adapters = partial(self._adapters_said, replica)
             self._links[replica] = local
             if self._held:
                 local.send_held(self._held)
@@ -216,6 +220,7 @@ class PoolDispatcher:
         host, port = address.rsplit(":", 1)
         link = ReplicaLink(replica, host, int(port), self._secret, self._gateway)
         link.on_state = lambda _link: self._notify()
+        link.on_adapters = partial(self._adapters_said, replica)
         self._links[replica] = link
 
         async def connect() -> None:
@@ -229,6 +234,24 @@ class PoolDispatcher:
             self._notify()
 
         asyncio.get_running_loop().create_task(connect(), name=f"link-{replica}")
+
+    def _adapters_said(self, replica: ReplicaId, link: ReplicaLink | LocalLink) -> None:
+        """The replica told (channel frame ADAPTERS) the adapters it holds and runs: each of
+        its routing targets (its engine, or each data-parallel rank) runs those of its rank."""
+        said, residency = link.adapters, self.service.adapters
+        if said is None or residency is None:
+            return
+        for target, (host, rank) in self._targets.items():
+            if host != replica:
+                continue
+            if rank is not None and rank < len(said.running):
+                running = said.running[rank]
+            else:  # the engine picks the rank: any of its batches
+                running = {}
+                for counts in said.running:
+                    for adapter, count in counts.items():
+                        running[adapter] = running.get(adapter, 0) + count
+            residency.observed(target, said.held, running)
 
     def _available(self, skip: set[ReplicaId]) -> list[ReplicaId]:
         """Targets that can take a request now, on replicas not in `skip`. Those whose circuit

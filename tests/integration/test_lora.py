@@ -245,6 +245,29 @@ def test_replicas_report_the_adapters_they_hold(root: str) -> None:
     assert len(report["adapters"]) <= 2  # max_cpu_loras defaults to max_loras: 2
 
 
+def test_every_ingress_counts_the_adapters_running_through_the_others(root: str) -> None:
+    """A request's adapter runs on a replica: the ingress that sent it counts it at once; the
+    other hears it from the replica (the channel's ADAPTERS frame), and both hear it end."""
+    body = {"model": "lora-1", "prompt": "Keep going:", "max_tokens": 1900, "ignore_eos": True,
+            "stream": True}
+
+    def running(client: httpx.Client) -> dict[str, dict[str, int]]:
+        router = client.get(f"{root}/tokenfab/router", headers={"authorization": f"Bearer {ADMIN}"})
+        return {replica: view["running"]
+                for replica, view in router.json()["pools"]["main"]["adapters"].items()}
+
+    with httpx.Client(trust_env=False, timeout=120) as streaming, streaming.stream(
+            "POST", f"{root}/v1/completions", json=body,
+            headers={"authorization": f"Bearer {ALPHA}"}) as reply:
+        assert reply.status_code == 200
+        replica = reply.headers["x-tokenfab-replica"]
+        next(reply.iter_raw())  # generating
+        _every_ingress(root, lambda c: running(c).get(replica, {}).get("lora-1", 0) >= 1,
+                       2, within_s=5)
+    # the client went away: the request is cancelled, and every ingress hears it end
+    _every_ingress(root, lambda c: "lora-1" not in running(c).get(replica, {}), 2, within_s=5)
+
+
 def test_each_model_is_served_by_its_own_pool(root: str, lora: Topology) -> None:
     replicas = {r["replica_id"]: r["pool"] for r in _get(root, ADMIN, "/tokenfab/replicas").json()}
     for model, pool in ((MODEL, "main"), (MOE, "moe"), ("lora-1", "main")):

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from channel.frames import AdapterRef
+from channel.frames import AdapterRef, Adapters
 from orchestrator.config import ModelSpec
 from orchestrator.gateway.adapters import AdapterCatalog
 from orchestrator.gateway.errors import GatewayError
 from orchestrator.tenant_config import TenantSpec
-from pools.adapters import AdapterSlots
+from pools.adapters import AdapterBoard, AdapterSlots
 from pools.registry import AdapterRecord
 from router.adapters import DEFAULT_LOAD_S, AdapterResidency
 from router.index import ReplicaId
@@ -154,6 +154,51 @@ def test_a_request_waits_for_a_batch_slot_where_other_adapters_fill_them() -> No
     assert residency.slot_wait_s(a, "z") == pytest.approx(1.2 * 1 / 2)
     residency.finished("unknown")  # a request it never saw: nothing changes
     assert residency.snapshot()["a"]["running"] == {"x": 3, "y": 1}
+
+
+def test_what_the_replica_tells_joins_this_routers_own_count() -> None:
+    """Another gateway's requests reach this router only through the replica's word (ADAPTERS);
+    its own latest dispatch counts before the replica has told it."""
+    a = ReplicaId("a")
+    residency = AdapterResidency(capacity=2, slots=2)
+    residency.dispatched(a, "x", "r1")
+    residency.observed(a, ["y", "z"], {"y": 2})  # before r1 reached it: z and y are there
+    assert residency.running(a) == {"y": 2, "x": 1}
+    assert residency.slot_wait_s(a, "z") > 0  # x and y take both slots
+    assert residency.load_cost_s(a, "z") == 0.0 and residency.load_cost_s(a, "x") > 0
+    residency.reported(a, ["x"], 0.03)  # the registry's report (older): the load time only
+    assert residency.snapshot()["a"]["held"] == ["y", "z"]
+    residency.observed(a, ["z", "x"], {"x": 1})  # y's requests ended
+    assert residency.slot_wait_s(a, "z") == 0.0 and residency.load_cost_s(a, "y") == 0.03
+    residency.finished("r1")
+    residency.observed(a, ["z", "x"], {})
+    assert residency.running(a) == {}
+    residency.forget(a)
+    assert residency.snapshot() == {}
+
+
+def test_the_board_tells_once_per_turn_and_only_changes() -> None:
+    told: list[Adapters] = []
+
+    async def load(name: str) -> None:
+        await asyncio.sleep(0)
+
+    async def turns(board: AdapterBoard, slots: AdapterSlots) -> None:
+        with board.running("x", 1), board.running("x", 1), board.running(None, 0):
+            await slots.use("x")  # told before the load ends, and again after
+            with board.running("y", None):  # begins and ends in one turn: nothing to tell
+                pass
+            with board.running("y", None):  # the engine picks the rank: counted on rank 0
+                await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        slots.sync(["x"])  # no change: nothing told
+        await asyncio.sleep(0)
+
+    slots = AdapterSlots(2, load)
+    board = AdapterBoard(slots, ranks=2, send=told.append)
+    asyncio.run(turns(board, slots))
+    assert told == [Adapters([], [{}, {"x": 2}]), Adapters(["x"], [{}, {"x": 2}]),
+                    Adapters(["x"], [{"y": 1}, {"x": 2}]), Adapters(["x"], [{}, {}])]
 
 
 @pytest.mark.parametrize(("adapter", "slots", "kept"), [

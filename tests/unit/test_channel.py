@@ -202,6 +202,24 @@ def test_full_or_draining_replica_refuses_without_starting() -> None:
     run(scenario())
 
 
+def test_every_gateway_hears_the_adapters_at_connect_and_when_they_change() -> None:
+    async def scenario() -> None:
+        replica = ScriptedReplica("r1", whole(200, {}))
+        await replica.start()
+        replica.server.set_adapters(frames.Adapters(["x"], [{"x": 1}]))
+        heard: list[frames.Adapters] = []
+        link = ReplicaLink(replica.name, "127.0.0.1", replica.port, SECRET, "gw-1")
+        link.on_adapters = lambda said: heard.append(said.adapters)
+        local = replica.server.local_link("r1")
+        await link.connect()
+        await until(lambda: heard == [frames.Adapters(["x"], [{"x": 1}])])
+        assert local.adapters == frames.Adapters(["x"], [{"x": 1}])
+        replica.server.set_adapters(frames.Adapters(["x", "y"], [{}]))
+        await until(lambda: len(heard) == 2)
+        assert heard[1] == link.adapters == local.adapters == frames.Adapters(["x", "y"], [{}])
+    run(scenario())
+
+
 def test_cancel_stops_the_replicas_handler_and_frees_its_slot() -> None:
     async def scenario() -> None:
         replica = ScriptedReplica("r1", [Step("head", 200, True), Step("hang")])

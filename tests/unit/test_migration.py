@@ -307,6 +307,7 @@ def _serve(engine: _Engine, body: bytes = b'{"prompt": [1], "stream": true, "log
 
     replica = Bare.__new__(Bare)
     replica._engine, replica._replica_id, replica._rank_in_flight = engine, "r1", []
+    replica._board = None
     reply, error = _Recorder(), None
     request = Request("completions", body, track_tokens=True)
     try:
