@@ -10,9 +10,11 @@ Two things delay a request for adapter A on a replica, besides the queue every r
   drop out, as in vLLM's cache.
 - **the slot.** One engine batch runs at most `max_loras` adapters. Where that many other
   adapters have requests running, A's request waits until every request of one of them has
-  finished. With k requests in the smallest such group, each at a uniformly random point of a
-  request's duration D, the last of them ends after about D x k / (k + 1). D is the mean
-  duration of this router's adapter requests on the pool, from dispatch to the end of the reply.
+  finished. With each request at a uniformly random point of a request's duration D, a group
+  of k requests has ended by a share t of D with probability t^k, so the first of the groups
+  holding the slots ends after D x integral over [0, 1] of prod_g (1 - t^k_g) dt (D / 3 for two
+  groups of one request). D is the mean duration of this router's adapter requests on the pool,
+  from dispatch to the end of the reply.
   The requests running on a replica are, per adapter, the larger of this router's count and
   the replica's own (its ADAPTERS frames count every gateway's requests, a few milliseconds
   late; this router's count has its latest dispatches at once). The registry's reports of the
@@ -30,6 +32,21 @@ DEFAULT_LOAD_S = 0.05  # a load's cost before any replica of the pool has measur
 DEFAULT_DURATION_S = 1.0  # a request's duration before this router has seen one end
 DURATION_WEIGHT = 0.1  # of each new request in the mean duration (an exponential average)
 MAX_TRACKED = 100_000  # requests dispatched and not yet finished that are followed
+
+
+def _first_end(groups: Sequence[int]) -> float:
+    """The expected share of a request's duration until the first of `groups` (each a count
+    of requests at uniformly random points of their duration) has no request left: the
+    integral over [0, 1] of prod_g (1 - t^k_g) dt, by expanding the product.
+
+    Example: [1] -> 1/2; [1, 1] -> 1 - 1/2 - 1/2 + 1/3 = 1/3."""
+    terms: dict[int, float] = {0: 1.0}  # exponent -> coefficient
+    for k in groups:
+        product = dict(terms)
+        for exponent, coefficient in terms.items():
+            product[exponent + k] = product.get(exponent + k, 0.0) - coefficient
+        terms = product
+    return sum(coefficient / (exponent + 1) for exponent, coefficient in terms.items())
 
 
 class AdapterResidency:
@@ -120,14 +137,17 @@ class AdapterResidency:
 
     def slot_wait_s(self, replica: ReplicaId, adapter: str | None) -> float:
         """Seconds the request waits for a batch slot on `replica`: 0 where the adapter is
-        running there or a slot is free, else D x k / (k + 1) for the smallest running group.
+        running there or a slot is free, else until the first of the groups in the slots ends
+        (module docstring). Where more adapters have requests in flight than there are slots,
+        the largest groups are taken as those running (the wait is not understated).
 
-        Example (2 slots, D = 2 s): running {x: 3, y: 1} -> x or y: 0; z: 2 x 1/2 = 1.0 s."""
+        Example (2 slots, D = 2 s): running {x: 3, y: 1} -> x or y: 0; z: 2 x (1 - 1/4 - 1/2
+        + 1/5) = 0.9 s; running {x: 1, y: 1} -> z: 2 x 1/3."""
         running = self.running(replica)
         if adapter is None or not running or adapter in running or len(running) < self.slots:
             return 0.0
-        smallest = min(running.values())
-        return self.duration_s * smallest / (smallest + 1)
+        groups = sorted(running.values(), reverse=True)[:self.slots]
+        return self.duration_s * _first_end(groups)
 
     def running(self, replica: ReplicaId) -> dict[str, int]:
         """Requests in flight on `replica` per adapter: per adapter, the larger of this

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -144,16 +146,31 @@ def test_a_request_waits_for_a_batch_slot_where_other_adapters_fill_them() -> No
     for n, adapter in enumerate(["x", "x", "x", "y"]):
         residency.dispatched(a, adapter, f"r{n}")
     assert residency.slot_wait_s(a, "x") == 0.0 and residency.slot_wait_s(b, "z") == 0.0
-    assert residency.slot_wait_s(a, "z") == 1.0 * 1 / 2  # y's one request, D = 1 s (prior)
+    # the first of x's 3 and y's 1 to end, D = 1 s (prior): 1 - 1/4 - 1/2 + 1/5
+    assert residency.slot_wait_s(a, "z") == pytest.approx(0.45)
     assert residency.load_cost_s(a, "z") == DEFAULT_LOAD_S  # z is not loaded either
     now[0] = 3.0
     residency.finished("r3")  # y's slot frees; a request took 3 s
     assert residency.slot_wait_s(a, "z") == 0.0
     assert residency.duration_s == pytest.approx(1.0 + 0.1 * (3.0 - 1.0))
     residency.dispatched(a, "y", "r4")
-    assert residency.slot_wait_s(a, "z") == pytest.approx(1.2 * 1 / 2)
+    assert residency.slot_wait_s(a, "z") == pytest.approx(1.2 * 0.45)
+    residency.dispatched(a, "w", "r5")  # more groups than slots: the largest two run
+    assert residency.slot_wait_s(a, "z") == pytest.approx(1.2 * 0.45)
     residency.finished("unknown")  # a request it never saw: nothing changes
-    assert residency.snapshot()["a"]["running"] == {"x": 3, "y": 1}
+    assert residency.snapshot()["a"]["running"] == {"x": 3, "y": 1, "w": 1}
+
+
+@pytest.mark.parametrize(("groups", "share"), [
+    ([1], 1 / 2), ([3], 3 / 4), ([1, 1], 1 / 3), ([2, 1], 1 - 1 / 3 - 1 / 2 + 1 / 4)])
+def test_the_first_group_to_end(groups: list[int], share: float) -> None:
+    """Against the expectation drawn: each request's end uniform over the duration."""
+    from router.adapters import _first_end
+    assert _first_end(groups) == pytest.approx(share)
+    rng = random.Random(3)
+    drawn = statistics.fmean(min(max(rng.random() for _ in range(k)) for k in groups)
+                             for _ in range(20_000))
+    assert drawn == pytest.approx(share, abs=0.01)
 
 
 def test_what_the_replica_tells_joins_this_routers_own_count() -> None:
