@@ -497,8 +497,8 @@ def markdown(result: dict[str, Any]) -> str:
     floor = result["floor"]
     lines += ["", f"Every router loads at least {floor['fewest_loads_per_100']:.1f} adapters per "
               f"100 requests of this workload (Belady's eviction over the engines' "
-              f"{2 * MAX_LORAS} places, from empty), and computes {floor['first_prompts_per_100']:.1f}"
-              f" of 100 prompts whole (each system prompt's first request). The floor row "
+              f"{2 * MAX_LORAS} places, from empty), and computes "
+              f"{floor['first_prompts_per_100']:.1f} of 100 prompts whole (each system prompt's first request). The floor row "
               f"({FLOOR[1]}) runs sglang-router cache_aware before engines started with max_loras "
               f"{ADAPTERS}: no load, no slot wait."]
     lines += ["", "tokenfab's adapter loads are counted by its replicas; the baselines' are "

@@ -3,8 +3,9 @@
     frame   = header payload
     header  = payload length (u32) | stream id (u32) | kind (u8)      network byte order, 9 bytes
 
-Stream 0 is the connection itself (OPEN, CHALLENGE, HELLO, HELD, STATE, ADAPTERS). Each end proves the
-application's secret to the other, without sending it, over nonces new for each connection:
+Stream 0 is the connection itself (OPEN, CHALLENGE, HELLO, HELD, STATE, ADAPTERS). Each end
+proves the application's secret to the other, without sending it, over nonces new for each
+connection:
 
     gateway -> OPEN       its nonce
     replica -> CHALLENGE  its nonce, and `replica_proof` (an HMAC of both nonces and its name)
