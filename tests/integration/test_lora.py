@@ -261,7 +261,8 @@ def test_every_ingress_counts_the_adapters_running_through_the_others(root: str)
             headers={"authorization": f"Bearer {ALPHA}"}) as reply:
         assert reply.status_code == 200
         replica = reply.headers["x-tokenfab-replica"]
-        next(reply.iter_raw())  # generating
+        chunks = reply.iter_raw()  # kept: a generator let go closes the stream
+        next(chunks)  # generating
         _every_ingress(root, lambda c: running(c).get(replica, {}).get("lora-1", 0) >= 1,
                        2, within_s=5)
     # the client went away: the request is cancelled, and every ingress hears it end
