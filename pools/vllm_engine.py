@@ -6,9 +6,7 @@ endpoint is exactly as compatible as vLLM's; this module only translates at the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from argparse import Namespace
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
@@ -20,8 +18,8 @@ from pydantic import ValidationError
 from autoscaler.signals import SIGNAL_WINDOW_S, ReplicaSignals, Window
 from tokenfab.errors import EngineDeadError, EngineError
 from channel.frames import AdapterRef
-from pools.adapters import AdapterSlots
 from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
+from pools.vllm_lora import VllmLora
 
 
 logger = logging.getLogger(__name__)
@@ -357,10 +355,8 @@ class VllmEngine:
         self._client_error: tuple[type[Exception], ...] = ()  # vLLM's, once started
         self.block_size = 0  # the KV cache block size, known once started
         self.kv_blocks = 0  # the KV cache's capacity in blocks, known once started
-        self._models: Any = None  # vLLM's OpenAIServingModels: the adapters requests can name
-        self._registering: dict[str, asyncio.Future] = {}  # adapters being registered, by name
-        self.adapters = AdapterSlots(spec.lora.max_cpu_loras, self._load_adapter) \
-            if spec.lora else None
+        self._lora = VllmLora(spec.lora.max_cpu_loras, self._raise_if_dead) if spec.lora else None
+        self.adapters = self._lora.slots if self._lora is not None else None
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -400,7 +396,8 @@ class VllmEngine:
         tasks = await self._llm.get_supported_tasks()
         await init_app_state(self._llm, state, args, supported_tasks=tasks)
         self._serving = {"completions": state.openai_serving_completion, "chat": state.openai_serving_chat}
-        self._models = state.openai_serving_models
+        if self._lora is not None:
+            self._lora.attach(self._llm, state.openai_serving_models, ErrorResponse)
         self._requests = {"completions": CompletionRequest, "chat": Chat}
         self._error_type = ErrorResponse
         self._client_error = (VLLMClientError,)
@@ -412,7 +409,11 @@ class VllmEngine:
             raise EngineError(f"data-parallel rank {rank} does not exist: the engine has "
                               f"{self.spec.data}")
         if adapter is not None:
-            failed = await self._use_adapter(adapter)
+            if self._lora is None:
+                raise EngineError(f"a request for adapter {adapter.name} reached an engine "
+                                  "without LoRA (model.lora unset): the gateway routes adapters "
+                                  "only to engines that run them")
+            failed = await self._lora.use(adapter)
             if failed is not None:
                 yield ReplyHead(failed.error.code, streaming=False)
                 yield msgspec.json.encode(openai_error(
@@ -445,57 +446,9 @@ class VllmEngine:
         async for item in self._translate(result):
             yield item
 
-    async def _use_adapter(self, adapter: AdapterRef) -> Any:
-        """Register the adapter with vLLM's serving layer (which maps the body's `model` to its
-        LoRARequest) under this path, and load it into the engine where it is not loaded. vLLM's
-        error reply when it cannot (None: it can run)."""
-        if self.adapters is None:
-            raise EngineError(f"a request for adapter {adapter.name} reached an engine without "
-                              "LoRA (model.lora unset): the gateway routes adapters only to "
-                              "engines that run them")
-        known = self._models.lora_requests.get(adapter.name)
-        if known is None or known.lora_path != adapter.path:
-            # one registration per adapter at a time: vLLM refuses a second as a duplicate
-            task = self._registering.get(adapter.name)
-            if task is None:
-                task = asyncio.ensure_future(self._register(adapter, replace=known is not None))
-                self._registering[adapter.name] = task
-                task.add_done_callback(lambda _: self._registering.pop(adapter.name, None))
-            return await asyncio.shield(task)
-        try:
-            await self.adapters.use(adapter.name)
-        except Exception as exc:  # noqa: BLE001 - vLLM's error for a load that failed
-            self._raise_if_dead(exc)
-            from vllm.entrypoints.serve.exception_handling.error_response import (
-                create_error_response)
-
-            return create_error_response(exc)
-        return None
-
-    async def _register(self, adapter: AdapterRef, replace: bool) -> Any:
-        """vLLM's own dynamic loading: registers the adapter and loads it into the engine (which
-        validates it); timed, as a load. vLLM's error reply, or None."""
-        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
-
-        started = time.monotonic()
-        result = await self._models.load_lora_adapter(LoadLoRAAdapterRequest(
-            lora_name=adapter.name, lora_path=adapter.path, load_inplace=replace))
-        if isinstance(result, self._error_type):
-            return result
-        self.adapters.loaded(adapter.name, time.monotonic() - started)
-        return None
-
-    async def _load_adapter(self, name: str) -> None:
-        """Load a registered adapter into the engine (vLLM evicts its least recently used)."""
-        await self._llm.add_lora(self._models.lora_requests[name])
-
     async def loaded_adapters(self) -> list[str]:
         """The adapters the engine holds now, by name (a round trip to the engine)."""
-        if self._llm is None or self._models is None:
-            return []
-        ids = await self._llm.list_loras()
-        return [name for name, request in self._models.lora_requests.items()
-                if request.lora_int_id in ids]
+        return await self._lora.loaded() if self._lora is not None else []
 
     async def _translate(self, result: Any) -> AsyncIterator[ReplyHead | bytes]:
         if hasattr(result, "__aiter__"):
