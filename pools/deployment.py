@@ -304,9 +304,7 @@ class PoolReplica:
             reports.append(RankReport(
                 rank=rank, load=msgspec.structs.replace(load, in_flight=self._rank_in_flight[rank]),
                 kv_events_endpoint=events.public if events else None,
-                kv_replay_endpoint=events.replay if events else None,
-                running_adapters=self._engine.running_adapters(rank)
-                if self._engine.adapters else []))
+                kv_replay_endpoint=events.replay if events else None))
         return reports
 
     def report(self) -> ReplicaReport:
@@ -329,7 +327,6 @@ class PoolReplica:
             adapters=slots.held if (slots := self._engine.adapters) else [],
             adapter_load_s=slots.load_s if slots else 0.0,
             adapter_loads=slots.loads if slots else 0,
-            running_adapters=self._engine.running_adapters() if slots else [],
         )
 
     async def _report_forever(self) -> None:

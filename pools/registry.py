@@ -37,7 +37,6 @@ class RankReport(msgspec.Struct, frozen=True):
     load: LoadSnapshot
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
-    running_adapters: list[str] = msgspec.field(default_factory=list)  # in its batches now
 
 
 class ReplicaReport(msgspec.Struct, frozen=True):
@@ -74,7 +73,6 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     adapters: list[str] = msgspec.field(default_factory=list)
     adapter_load_s: float = 0.0
     adapter_loads: int = 0
-    running_adapters: list[str] = msgspec.field(default_factory=list)  # in its batches now
 
 
 class AdapterRecord(msgspec.Struct, frozen=True):

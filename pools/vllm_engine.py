@@ -81,7 +81,6 @@ class _LoadRecorder:
 
     def __init__(self, window_s: float = SIGNAL_WINDOW_S) -> None:
         self.ranks: dict[int, LoadSnapshot] = {0: LoadSnapshot()}  # engine index -> its load
-        self.running_adapters: dict[int, list[str]] = {}  # engine index -> adapters running
         self._ttft, self._itl = Window(window_s), Window(window_s)
         self._prompt, self._generated = Window(window_s), Window(window_s)
         self._prefill_rate = Window(window_s)  # prompt tokens / step time, of steps that prefilled
@@ -134,7 +133,6 @@ class _LoadRecorder:
 
     def update(self, stats: Any, rank: int = 0) -> None:
         prefix, old = stats.prefix_cache_stats, self.ranks.get(rank, LoadSnapshot())
-        self.running_adapters[rank] = sorted(getattr(stats, "running_lora_adapters", None) or ())
         transfers = _connector_counts(stats.kv_connector_stats)
         self.ranks[rank] = msgspec.structs.replace(
             old,
@@ -485,14 +483,6 @@ class VllmEngine:
 
     def load(self) -> LoadSnapshot:
         return self._recorder.snapshot
-
-    def running_adapters(self, rank: int | None = None) -> list[str]:
-        """The adapters with requests running in a rank's batches (None: in any rank's), as
-        the engine last reported them (each step)."""
-        running = self._recorder.running_adapters
-        if rank is not None:
-            return list(running.get(rank, ()))
-        return sorted({name for names in running.values() for name in names})
 
     def rank_loads(self) -> list[LoadSnapshot]:
         """Each data-parallel rank's load, in rank order (one entry without data parallelism)."""

@@ -17,10 +17,11 @@ Two things delay a request for adapter A on a replica, besides the queue every r
   from dispatch to the end of the reply.
   The requests running on a replica are, per adapter, the larger of this router's count and
   the replica's own (its ADAPTERS frames count every gateway's requests, a few milliseconds
-  late; this router's count has its latest dispatches at once). The registry's reports of the
-  adapters running are not used: at up to a second old, they sent requests away from replicas
-  whose slots had long freed (benchmarks/results/lora-notes.md).
+  late; this router's count has its latest dispatches at once). Counts a second old, as the
+  registry's reports would give, sent requests away from replicas whose slots had long freed
+  (benchmarks/results/lora-notes.md).
 """
+
 from __future__ import annotations
 
 import time
