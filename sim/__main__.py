@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     rep = commands.add_parser("replay", help="replay a Mooncake-format trace in simulation")
     rep.add_argument("--profile", required=True, help="a profile name (sim/profiles) or file")
     rep.add_argument("--trace", required=True)
-    rep.add_argument("--policy", default="kv_aware")
+    rep.add_argument("--policy", default="kv_aware",
+                     help="a tokenfab policy, or another router's ported (sim.baselines): "
+                     "sglang:cache_aware, vllm-router:cache_aware, dynamo:kv")
     rep.add_argument("--replicas", type=int, default=2)
     rep.add_argument("--rate", type=float, required=True, help="mean arrivals per second")
     rep.add_argument("--copies", type=int, default=1, help="tile the trace this many times")

@@ -8,10 +8,16 @@ no replica has room. The service learns the replicas from a registry refresh eve
 delivered after `event_lag_s`. The wall time of each decision (`rank` and `dispatched`) and of
 applying the events is measured: it is the real code's cost at this scale. A cluster is one pool;
 `sim.pd` joins a prefill and a decode one.
+
+A policy named in `sim.baselines` (another router's, ported) chooses instead of the service's
+`rank`; the service still counts each replica's requests in flight, which is the load that port
+reads, and that router's engines' events go to the port. Those routers bound no replica, so
+`max_ongoing_requests` does not apply to them.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -23,6 +29,7 @@ from router.index import ReplicaId
 from router.policies import build_policy
 from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey
+from sim.baselines import BaselineRouter, build_baseline, is_baseline
 from sim.engine import PullTime, SimEngine, SimRequest
 from sim.loop import EventLoop
 from sim.params import EngineParams
@@ -54,6 +61,11 @@ class SimCluster:
         self.loop, self.params, self.pool = loop, params, pool
         self._prefix, self._pull_s, self._on_pulled = prefix, pull_s, on_pulled
         self._on_finished = on_finished
+        self.baseline: BaselineRouter | None = None
+        if is_baseline(policy):
+            self.baseline = build_baseline(policy, params.block_size, loop.clock,
+                                           random.Random(seed))
+            policy = "round_robin"  # the service then only counts requests in flight
         self.policy = build_policy(policy, weights, rng=random.Random(seed))
         bounds = {"max_index_entries": max_index_entries,
                   "max_history_entries": max_history_entries}
@@ -144,15 +156,21 @@ class SimCluster:
 
     def _route(self, request: SimRequest) -> bool:
         """Dispatch `request`, or hold it (False) while no ready replica has room."""
-        service = self.service
-        available = [r for r in self.ready_replicas() if service.in_flight(r) < self.max_ongoing]
+        service, baseline = self.service, self.baseline
+        bound = self.max_ongoing if baseline is None else math.inf
+        available = [r for r in self.ready_replicas() if service.in_flight(r) < bound]
         if not available:
             self.held.append(request)
             return False
         hashes = list(request.block_hashes) if self.policy.uses_prefixes else []
         key = RouteKey(request.request_id, request.prompt_tokens, self.params.block_size, hashes)
         began = time.perf_counter_ns()
-        target = service.rank(key, available)[0]
+        if baseline is None:
+            target = service.rank(key, available)[0]
+        else:
+            target = baseline.choose(request.request_id, request.block_hashes,
+                                     request.prompt_tokens, available,
+                                     {r: service.in_flight(r) for r in available})
         service.dispatched(key, target)
         self.decision_ns.append(time.perf_counter_ns() - began)
         self.peak_history_entries = max(self.peak_history_entries, service.history_entries())
@@ -163,9 +181,13 @@ class SimCluster:
 
     def _first_token(self, request: SimRequest) -> None:
         self.service.first_token(request.request_id)
+        if self.baseline is not None:
+            self.baseline.first_token(request.request_id)
 
     def _finished(self, request: SimRequest) -> None:
         self.service.finished(request.request_id)
+        if self.baseline is not None:
+            self.baseline.finished(request.request_id)
         self.finished.append(request)
         self._outstanding -= 1
         if self._on_finished is not None:
@@ -184,10 +206,20 @@ class SimCluster:
                 return
 
     def _events(self, replica: ReplicaId, events: list[tuple[bool, int]]) -> None:
+        baseline = self.baseline
+        if baseline is not None and baseline.reads_events:
+            self.loop.after(self.event_lag_s, lambda: self._to_baseline(baseline, replica, events))
         if not self.policy.reads_block_map:  # the gateway follows no events then
             return
         batch = KVEventBatch(self.loop.now, _events(events))
         self.loop.after(self.event_lag_s, lambda: self._apply(replica, batch))
+
+    def _to_baseline(self, baseline: BaselineRouter, replica: ReplicaId,
+                     events: list[tuple[bool, int]]) -> None:
+        if replica in self.replicas:
+            began = time.perf_counter_ns()
+            baseline.kv_events(replica, events)
+            self.apply_ns += time.perf_counter_ns() - began
 
     def _apply(self, replica: ReplicaId, batch: KVEventBatch) -> None:
         if replica in self.replicas:  # a replica that left was dropped from the map
