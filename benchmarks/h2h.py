@@ -5,15 +5,29 @@ the same KV cache bytes, prefix caching on) and replays the same sample of a Moo
 trace. Baselines: two standalone vLLM OpenAI servers behind sglang-router (round_robin,
 cache_aware) or vllm-router (cache_aware). tokenfab: a local Ray head and one `unified` pool of
 2 replicas, routed round_robin or kv_aware, serving the gateway themselves (`gateway.colocate`;
-`--gateway process`: a gateway process). Baselines run first (servers started once, routers one
-at a time), then tokenfab (one deployment per policy); the two never run together.
+`--gateway process`: a gateway process). The two never run together.
 
-The trace is sampled by conversation root (every request whose first block belongs to a seeded
-random share of roots, in trace order, about 115 requests by default); each 512-token block id
-becomes 32 single-token words (one engine block), prompts are capped at 60 blocks (1,920 tokens),
-every request asks for 32 tokens (`ignore_eos`, greedy, streamed with usage). Arrival times are
-the trace's, rescaled to each rate. Caches start cold in every (system, policy, load): each gets
-its own word namespace, and the baselines' engines also reset their prefix caches before a run.
+Repeats: the whole set of (system, policy, load) is replayed `--repeats` times (3 by default),
+interleaved so that drift on the machine hits every system: each repeat starts the baselines'
+servers and runs their routers one at a time, then starts Ray and deploys tokenfab's policies one
+at a time; odd repeats run tokenfab first. Each figure is reported as the median of the repeats
+with its min-max range, and a ratio is called a win or a loss only where the ranges do not
+overlap (intervals.py); otherwise it is a tie.
+
+Loads: `--rates`, and, unless `--no-knee`, one more past round_robin's knee, found in the first
+repeat by replaying sglang-router round_robin at rising rates (x1.4 from the highest given) until
+its TTFT p90 exceeds the target (`--slo-factor` times the floor's p90). Goodput: the highest rate
+at which a system's TTFT p90 stays within that target with no failed request, interpolated
+between the measured rates in each repeat (h2h_figures.with_goodput).
+
+Windows: `--window trace` samples the trace by conversation root (every request whose first
+block belongs to a seeded random share of roots, in trace order, about 115 requests by default);
+`--window no-reuse` keeps that sample's arrivals and lengths but gives every request blocks of its
+own, so nothing is shared and no router can win by placement: what is left is the request path.
+Each 512-token block id becomes 32 single-token words (one engine block), prompts are capped at
+60 blocks (1,920 tokens), every request asks for 32 tokens (`ignore_eos`, greedy, streamed with
+usage). Arrival times are the trace's, rescaled to each rate. Caches start cold in every replay:
+each gets its own word namespace, and the baselines' engines also reset their prefix caches.
 
 Per record: TTFT (send -> first chunk carrying a token), E2E (send -> end of stream), ITL (gaps
 between tokens: with `return_token_ids` a chunk of k tokens adds its gap from the previous token
@@ -25,30 +39,33 @@ vLLM API servers or pool replicas; not the `VLLM::` engine processes) per output
 `background_cpu_pct` is Ray's own daemons as % of one core (see process_cpu.py for the rule).
 The same processes' CPU is also sampled for 3 s before each replay, with no request running
 (`idle_dataplane_cpu_pct`, `idle_background_cpu_pct`): what the path costs whatever the load.
+`client_waited_s`: how long the client's event loop was runnable but waited for a CPU during the
+replay (its latencies are late by that much); `stall_cluster_max`: the most requests that got
+all their tokens in one instant with first tokens within 5 ms of each other (a stall, then a
+flush).
 
 First, the floor: each request alone, in trace order, straight to one idle vLLM server of the
 same settings whose KV cache holds every block of the sample (so each gets the infinite-cache
 bound's hits), one output token. Behind any router on these engines a request's first token comes
-no sooner, so neither does any TTFT percentile; the ratios say how far each system is from it, and
-whether a target set against a baseline lies below it.
+no sooner, so neither does any TTFT percentile.
 
 The client runs in a scheduling group of its own at a raised priority and each stack in one
 session (one group) of its own, so no system gains or loses by how it groups its processes (see
-`machine.prioritise_client`). The machine is shared, so before each replay the script waits (up
-to 5 min) until processes outside the stack under test use under 15% of a core, and it repeats
+`machine.prioritise_client`); `--unprioritised` leaves the client in the shell's group at its
+priority (to reproduce a co-located client's stalls). Before each replay the script waits (up to
+5 min) until processes outside the stack under test use under 15% of a core, and it repeats
 (twice at most, in a fresh namespace) a replay during which they used more than
-`--max-other-pct` (10%) of a core; each record keeps those shares, its attempts and the CPU of
-every process it saw.
+`--max-other-pct` (10%) of a core.
 
-    .venv/bin/python benchmarks/h2h.py [--rates 1.4,3.5] [--kv-cache 24MiB] [--trace FILE]
+    .venv/bin/python benchmarks/h2h.py [--rates 1.4,3.5,6] [--repeats 3] [--window trace]
         [--systems floor,sglang-router,vllm-router,tokenfab] [--policies round_robin,...]
-        [--limit N] [--profile DIR] [--raw DIR] [--engine-nice N] [--gateway colocated|process]
+        [--kv-cache 24MiB] [--trace FILE] [--limit N] [--raw DIR] [--unprioritised]
 
-About 20 minutes on 2 cores. Writes benchmarks/results/h2h.json, and h2h.md and h2h.png beside it
-(`--out` names the JSON). `--profile DIR` runs py-spy on tokenfab's data-path processes during its
-highest-rate replays (which perturbs those records). Helpers: traces.py (sampling, prompts),
-process_cpu.py (CPU per process and its role), baseline_stack.py (vLLM servers and routers),
-h2h_client.py (requests and replays), h2h_report.py (ratios, Markdown, chart).
+About 25 minutes a repeat on 2 cores. Writes benchmarks/results/h2h.json (`--window no-reuse`:
+h2h-noreuse.json), and the .md and .png beside it (`--out` names the JSON). Helpers: traces.py
+(sampling, prompts), process_cpu.py (CPU per process and its role), baseline_stack.py (vLLM
+servers and routers), h2h_client.py (requests and replays), h2h_figures.py (figures, repeats,
+goodput), h2h_report.py (ratios, Markdown, chart).
 """
 
 from __future__ import annotations
@@ -57,11 +74,8 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shlex
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,14 +88,15 @@ import process_cpu
 from baseline_stack import (Session, kv_bytes_per_token, reset_prefix_caches, routed,
                             start_engine, wait_ready)
 from h2h_client import MAX_TOKENS, one_at_a_time, replay, warm_up
+from h2h_figures import pct, record, with_goodput
 from h2h_report import markdown, plot, ratios
 from harness import deployed, remove
 from machine import (check_loopback, prioritise_client, renice_engines, stray_processes,
-                     wait_quiet)
+                     unprioritised, waited_for_cpu_s, wait_quiet)
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
-from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts,
-                    sample_by_root, single_token_words, upper_bound_hit_rate)
+from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root, single_token_words,
+                    upper_bound_hit_rate, without_reuse)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -115,94 +130,31 @@ def measure(front: Front, requests: list[dict[str, Any]], prompts: Prompts, rate
             profile: Path | None) -> dict[str, Any]:
     """Replay at `rate` through the front; the results and every process's CPU over the window."""
     before = process_cpu.snapshot()
-    profiler = _profile(front, rate, before, profile) if profile else None
-    started = time.monotonic()
+    profiler = process_cpu.profile_dataplane(
+        front.pids, f"{front.system}-{front.policy}-{rate:g}", before, profile) \
+        if profile else None
+    started, client_waited = time.monotonic(), waited_for_cpu_s()  # the event loop's thread
     results = asyncio.run(replay(front.url, requests, prompts, rate))
-    window = time.monotonic() - started
+    window, client_waited = time.monotonic() - started, waited_for_cpu_s() - client_waited
     after = process_cpu.snapshot()
     if profiler:
         profiler.join()
     used = process_cpu.cpu_seconds(before, after)
+    waited = process_cpu.waited_seconds(before, after)
     procs = {proc.pid: proc for proc in after.values()}
     categories = process_cpu.classify(procs, front.pids, os.getpid())
-    return {"results": results, "window_s": window, "cpu": used, "categories": categories}
-
-
-def _profile(front: Front, rate: float, snap: dict, out: Path) -> threading.Thread:
-    """py-spy on one data-path Python process of each title, 15 s from 5 s into the replay."""
-    procs = {p.pid: p for p in snap.values()}
-    categories = process_cpu.classify(procs, front.pids, os.getpid())
-    chosen: dict[str, int] = {}
-    for pid, category in sorted(categories.items()):
-        if category == "dataplane":
-            chosen.setdefault(procs[pid].title.split()[0], pid)
-    out.mkdir(parents=True, exist_ok=True)
-    spy = str(Path(sys.executable).with_name("py-spy"))
-
-    def run() -> None:
-        time.sleep(5)
-        jobs = []
-        for title, pid in chosen.items():
-            role = re.sub(r"[^A-Za-z0-9.-]+", "_", title)
-            name = f"{front.system}-{front.policy}-{rate:g}-{role}-{pid}.txt"
-            jobs.append(subprocess.Popen([spy, "record", "-p", str(pid), "-d", "15", "-r", "50",
-                                          "-f", "raw", "--nonblocking", "--threads",
-                                          "-o", str(out / name)],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            print(f"   profiling {title} (pid {pid}) -> {out / name}")
-        for job in jobs:
-            job.wait()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
-# --- Summaries --------------------------------------------------------------------------------
-
-def token_times(chunks: list[tuple[float, int | None]], mode: str) -> list[float]:
-    """When each token arrived: a chunk of k tokens is k arrivals at its time (mode token_ids),
-    or every chunk with a choice is one (mode chunks)."""
-    if mode == "token_ids":
-        return [at for at, n in chunks for _ in range(n or 0)]
-    return [at for at, _ in chunks]
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def summarize(run: dict[str, Any], mode: str) -> dict[str, Any]:
-    results = run["results"]
-    times = [token_times(r["chunks"], mode) for r in results]
-    ok = [(r, t) for r, t in zip(results, times) if r["status"] == 200 and t]
-    usages = [r["usage"] for r, _ in ok]
-    prompt = sum(u.get("prompt_tokens", 0) for u in usages)
-    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
-    output = sum(u.get("completion_tokens", 0) for u in usages)
-    ttft = [t[0] for _, t in ok]
-    e2e = [r["done"] - r["sent"] for r, _ in ok]
-    gaps = [float(g) for _, t in ok for g in np.diff(t)]
-    wall = max(r["done"] for r in results) - min(r["sent"] for r in results)
-    chunks = [n for r, _ in ok for _, n in r["chunks"] if n]
-    cpu = process_cpu.summary(run, output)
-    return {
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
-        "e2e_p50_s": _pct(e2e, 50), "e2e_p90_s": _pct(e2e, 90),
-        "itl_p50_s": _pct(gaps, 50), "itl_p90_s": _pct(gaps, 90), "itl_p99_s": _pct(gaps, 99),
-        "output_tok_s": output / wall, "hit_rate": cached / prompt if prompt else 0.0,
-        "dataplane_cpu_ms_per_token": cpu.pop("dataplane_cpu_ms_per_token"),
-        "background_cpu_pct": cpu["cpu_pct_of_core"]["background"],
-        "requests": len(results), "failed": len(results) - len(ok),
-        "incomplete": sum(u.get("completion_tokens", 0) != MAX_TOKENS for u in usages),
-        "errors": sorted({r["error"][:200] for r in results if r["error"]})[:3],
-        "prompt_tokens": prompt, "cached_tokens": cached, "output_tokens": output,
-        "tokens_per_chunk": float(np.mean(chunks)) if chunks else None,
-        "window_s": run["window_s"], **cpu,
-    }
+    return {"results": results, "window_s": window, "cpu": used, "categories": categories,
+            "waited": waited, "client_waited_s": client_waited}
 
 
 # --- tokenfab ---------------------------------------------------------------------------------
+
+def summarize_ttft_p90(run: dict[str, Any]) -> tuple[float | None, int]:
+    """A replay's TTFT p90 over the requests that streamed a token, and how many did not."""
+    firsts = [r["chunks"][0][0] for r in run["results"] if r["status"] == 200 and r["chunks"]]
+    p90 = float(np.percentile(firsts, 90)) if firsts else None
+    return p90, len(run["results"]) - len(firsts)
+
 
 def topology(policy: str, kv_cache: str, colocate: bool = False) -> Topology:
     return parse_topology({
@@ -221,8 +173,9 @@ def topology(policy: str, kv_cache: str, colocate: bool = False) -> Topology:
 # --- The run ----------------------------------------------------------------------------------
 
 class Bench:
-    """Runs every front at every rate and keeps the raw runs. A replay's word namespace follows
-    from (setup, rate index, attempt), so a subset run replays the same prompts as a full one."""
+    """Runs every front at every rate, `repeat` by repeat, and keeps the raw runs. A replay's
+    word namespace follows from (repeat, setup, rate index, attempt), so a subset run replays
+    the same prompts as a full one."""
 
     def __init__(self, args: argparse.Namespace, requests: list[dict[str, Any]],
                  words: list[str], rates: list[float]) -> None:
@@ -231,6 +184,9 @@ class Bench:
         self.token_ids: dict[str, bool] = {}
         self.sockets: dict[str, dict[str, Any]] = {}
         self.profile = Path(args.profile) if args.profile else None
+        self.repeat = 0
+        self.slo_s: float | None = None  # TTFT p90 target; set from the floor
+        self.knee: dict[str, Any] | None = None  # to find (an empty dict), or found
 
     def run_front(self, front: Front) -> None:
         setup = SETUPS.index((front.system, front.policy))
@@ -239,19 +195,49 @@ class Bench:
                                        Prompts(self.words, 10_000 + setup))
         front.pids = process_cpu.port_owners(int(front.url.rsplit(":", 1)[1].split("/")[0]))
         self.sockets[name] = check_loopback(front.pids)
+        if self.knee == {} and front.policy == "round_robin":
+            self.find_knee(front)
         for index, rate in enumerate(self.rates):
             profile = self.profile if (self.profile and front.system == "tokenfab"
                                        and rate == max(self.rates)) else None
-            for attempt in range(1 + RETRIES):
-                run = self._replay(front, rate, 1 + setup * 100 + index * 10 + attempt, profile)
-                if run["other_cpu_pct"] <= self.args.max_other_pct or attempt == RETRIES:
-                    break
-                print(f"   processes outside the stack took {run['other_cpu_pct']:.0f}% of a "
-                      "core during the replay: repeating it")
-            run["attempts"] = attempt + 1
+            namespace = 1 + self.repeat * 1000 + setup * 100 + index * 10
+            run = self._clean_replay(front, rate, namespace, profile)
+            run["repeat"] = self.repeat
             self.runs.append(run)
             line = record(run, "token_ids" if self.token_ids[name] else "chunks")
             print("  ", json.dumps({k: v for k, v in line.items() if k != "cpu_breakdown"}))
+
+    def _clean_replay(self, front: Front, rate: float, namespace: int,
+                      profile: Path | None) -> dict[str, Any]:
+        """A replay, repeated (in a fresh namespace) while processes outside the stack took more
+        than `--max-other-pct` of a core during it."""
+        for attempt in range(1 + RETRIES):
+            run = self._replay(front, rate, namespace + attempt, profile)
+            if run["other_cpu_pct"] <= self.args.max_other_pct or attempt == RETRIES:
+                break
+            print(f"   processes outside the stack took {run['other_cpu_pct']:.0f}% of a "
+                  "core during the replay: repeating it")
+        return run | {"attempts": attempt + 1}
+
+    def find_knee(self, front: Front) -> None:
+        """Replay this round_robin front at rising rates (x1.4 from the highest given, at most 8
+        steps) until its TTFT p90 misses the target or a request fails; that rate is added to
+        the loads, so the highest one is past round_robin's knee."""
+        rate, probes = max(self.rates), []
+        for step in range(8):
+            run = self._clean_replay(front, rate, 700_000 + 10 * step, None)
+            p90 = summarize_ttft_p90(run)
+            probes.append({"rate_rps": rate, "ttft_p90_s": p90[0], "failed": p90[1]})
+            print(f"   knee probe: {rate:g} req/s, TTFT p90 {p90[0]}, failed {p90[1]}")
+            if p90[0] is None or p90[1] or p90[0] > self.slo_s:
+                break
+            rate = round(rate * 1.4, 1)
+        missed = probes[-1]
+        if missed["rate_rps"] not in self.rates:
+            self.rates.append(missed["rate_rps"])
+        self.knee = {"system": front.system, "policy": front.policy, "slo_s": self.slo_s,
+                     "probes": probes, "past_knee_rps": missed["rate_rps"],
+                     "missed": bool(missed["failed"] or (missed["ttft_p90_s"] or 1e9) > self.slo_s)}
 
     def _replay(self, front: Front, rate: float, namespace: int,
                 profile: Path | None) -> dict[str, Any]:
@@ -266,6 +252,7 @@ class Bench:
         other = sum(used for pid, (_, used) in run["cpu"].items()
                     if run["categories"].get(pid, "other") == "other")
         return run | {"system": front.system, "policy": front.policy, "rate": rate,
+                      "repeat": self.repeat,
                       "namespace": namespace, "other_cpu_pct_before": round(idle["other"], 1),
                       "idle_cpu_pct": {k: round(v, 2) for k, v in idle.items()},
                       "other_cpu_pct": 100 * other / run["window_s"]}
@@ -299,8 +286,8 @@ class Bench:
         prompt = sum(u.get("prompt_tokens", 0) for u in usages)
         cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                      for u in usages)
-        return {"ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
-                "ttft_p99_s": _pct(ttft, 99), "hit_rate": cached / prompt if prompt else 0.0,
+        return {"ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+                "ttft_p99_s": pct(ttft, 99), "hit_rate": cached / prompt if prompt else 0.0,
                 "passes": FLOOR_PASSES, "kv_cache_bytes": big, "ttft_s": ttft}
 
     def baselines(self, setups: list[tuple[str, str]], kv_bytes: int, logs: Path) -> None:
@@ -338,16 +325,6 @@ class Bench:
             cluster.stop_ray(specs[0].cluster.dashboard_url)
 
 
-def record(run: dict[str, Any], mode: str) -> dict[str, Any]:
-    rate = run["rate"]
-    return {"system": run["system"], "policy": run["policy"], "load": f"{rate:g} req/s",
-            "rate_rps": rate, **summarize(run, mode), "namespace": run["namespace"],
-            "other_cpu_pct_before": run["other_cpu_pct_before"],
-            "idle_dataplane_cpu_pct": run["idle_cpu_pct"]["dataplane"],
-            "idle_background_cpu_pct": run["idle_cpu_pct"]["background"],
-            "attempts": run["attempts"]}
-
-
 # `--stack-load-pct`: busy for that share of every 2 ms, asleep for the rest
 _STACK_LOAD = """
 import sys, time
@@ -366,7 +343,16 @@ def main() -> None:
     parser.add_argument("--root-share", type=float, default=0.03,
                         help="share of conversation roots sampled (0.03: 116 requests)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the root sample")
-    parser.add_argument("--rates", default="1.4,3.5", help="req/s, comma-separated")
+    parser.add_argument("--rates", default="1.4,3.5,6", help="req/s, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3, help="replays of every point")
+    parser.add_argument("--no-knee", action="store_true",
+                        help="only --rates (no rate past round_robin's knee is looked for)")
+    parser.add_argument("--slo-factor", type=float, default=5.0,
+                        help="goodput's target: TTFT p90 at most this times the floor's")
+    parser.add_argument("--window", choices=("trace", "no-reuse"), default="trace",
+                        help="the sample as it is, or with every request's blocks its own")
+    parser.add_argument("--unprioritised", action="store_true",
+                        help="leave the client in the shell's scheduling group at its priority")
     parser.add_argument("--kv-cache", default="24MiB", help="KV cache bytes per engine")
     parser.add_argument("--systems", default="floor,sglang-router,vllm-router,tokenfab",
                         help="only these systems; floor: each request alone on one idle engine "
@@ -376,8 +362,9 @@ def main() -> None:
                         help="tokenfab's gateway in its pool's replicas (gateway.colocate, the "
                         "default here) or in a process of its own (the topology default)")
     parser.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
-    parser.add_argument("--out", default=str(RESULTS / "h2h.json"),
-                        help="the JSON; the .md and .png go beside it")
+    parser.add_argument("--out", default="",
+                        help="the JSON (default results/h2h.json, or h2h-noreuse.json); the "
+                        ".md and .png go beside it")
     parser.add_argument("--max-other-pct", type=float, default=10.0,
                         help="repeat a replay (twice at most) during which processes outside the "
                         "stack under test used more than this %% of a core")
@@ -395,8 +382,13 @@ def main() -> None:
                         "(whether the engines lose time to the processes beside them)")
     parser.add_argument("--client-nice", type=int, default=-10,
                         help="the client's scheduling priority (see machine.prioritise_client)")
+    parser.add_argument("--report", default="", help="only rewrite the report (medians, "
+                        "goodput, ratios, Markdown, chart) from this results JSON")
     args = parser.parse_args()
-    scheduling = prioritise_client(args.client_nice)
+    if args.report:
+        finish(json.loads(Path(args.report).read_text()), Path(args.out or args.report))
+        return
+    scheduling = unprioritised() if args.unprioritised else prioritise_client(args.client_nice)
     began = time.monotonic()
     rates = [float(r) for r in args.rates.split(",")]
     systems, policies = args.systems.split(","), set(filter(None, args.policies.split(",")))
@@ -409,18 +401,27 @@ def main() -> None:
     requests = sample_by_root(Path(args.trace), args.root_share, args.seed)
     if args.limit:
         requests = requests[:args.limit]
+    if args.window == "no-reuse":
+        requests = without_reuse(requests)
+    args.out = args.out or str(RESULTS / ("h2h.json" if args.window == "trace"
+                                          else "h2h-noreuse.json"))
     kv_bytes = topology("round_robin", args.kv_cache).pools[0].resources.kv_cache_bytes
     bench = Bench(args, requests, single_token_words(str(Path(MODEL).expanduser())), rates)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     floor = bench.floor(kv_bytes, logs) if "floor" in systems else None
+    if floor:
+        bench.slo_s = args.slo_factor * floor["ttft_p90_s"]
+        bench.knee = None if args.no_knee else {}
     baselines = [s for s in setups if s[0] != "tokenfab"]
-    if baselines:
-        bench.baselines(baselines, kv_bytes, logs)
     ours = [policy for system, policy in setups if system == "tokenfab"]
-    if ours:
-        bench.tokenfab(ours)
-    write(bench, args, requests, kv_bytes, stray, time.monotonic() - began, scheduling, floor)
+    for repeat in range(args.repeats):
+        bench.repeat = repeat
+        blocks = [lambda: bench.baselines(baselines, kv_bytes, logs) if baselines else None,
+                  lambda: bench.tokenfab(ours) if ours else None]
+        for block in blocks if repeat % 2 == 0 else blocks[::-1]:
+            block()
+        write(bench, args, requests, kv_bytes, stray, time.monotonic() - began, scheduling, floor)
 
 
 def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]], kv_bytes: int,
@@ -430,12 +431,14 @@ def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]]
                     for _, n in r["chunks"])
     mode = "token_ids" if all(bench.token_ids.values()) and chunks_ok else "chunks"
     prefix = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-    records = [record(run, mode) for run in bench.runs]
     result = {
-        "records": records,
+        "records": [record(run, mode) for run in bench.runs],
         "bound_hit_rate": upper_bound_hit_rate(requests),
         "floor": floor,
-        "ratios": ratios(records, floor),
+        "slo_s": bench.slo_s,
+        "knee": bench.knee,
+        "repeats": bench.repeat + 1,
+        "window": args.window,
         "command": f"{prefix}python benchmarks/h2h.py {shlex.join(sys.argv[1:])}".strip(),
         "itl_mode": mode,
         "itl_definition": (
@@ -456,6 +459,7 @@ def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]]
                      "tokenfab_gateway": args.gateway,
                      "scheduling": scheduling},
     }
+    finish(result, Path(args.out))
     if args.raw:
         raw = Path(args.raw)
         raw.mkdir(parents=True, exist_ok=True)
@@ -464,10 +468,17 @@ def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]]
             rows = [{"sent_s": r["sent"] - began, "done_s": r["done"] - began,
                      "status": r["status"], "chunks": r["chunks"], "usage": r["usage"],
                      "replica": r["replica"]} for r in run["results"]]
-            name = f"{run['system']}-{run['policy']}-{run['rate']:g}.json"
+            name = f"{run['system']}-{run['policy']}-{run['rate']:g}-{run['repeat']}.json"
             (raw / name).write_text(json.dumps(rows))
         print(f"wrote each request's chunk times to {raw}")
-    out = Path(args.out)
+
+
+def finish(result: dict[str, Any], out: Path) -> None:
+    """From `result["records"]` (one per replay, or rows whose `runs` are): the medians, ranges
+    and goodput per point, the ratios, and the JSON, Markdown and chart at `out`."""
+    runs = [run for row in result["records"] for run in row.get("runs", [row])]
+    result["records"] = with_goodput(runs, result["slo_s"])
+    result["ratios"] = ratios(result["records"], result["floor"], result["slo_s"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(markdown(result))

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 import process_cpu
+from intervals import verdict
 
 
 def _get(records: list[dict[str, Any]], system: str, policy: str, rate: float) -> dict | None:
@@ -19,55 +20,86 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a is not None and b else "n/a"
 
 
-def ratios(records: list[dict[str, Any]], floor: dict[str, Any] | None = None) -> list[str]:
+# tokenfab round_robin against sglang-router round_robin: (label, field, target ratio at most)
+PARITY = (("TTFT p50", "ttft_p50_s", 1.1), ("TTFT p90", "ttft_p90_s", 1.1),
+          ("ITL p99", "itl_p99_s", 1.2), ("output tok/s", "output_tok_s", None),
+          ("dataplane CPU/token", "dataplane_cpu_ms_per_token", 1.2))
+
+
+def _compare(ours: dict, theirs: dict, label: str, field: str, target: float | None = None,
+             lower_is_better: bool = True) -> str:
+    """"TTFT p90 0.97 (tie; target <= 1.1 met)": the ratio of medians, the verdict of the
+    ranges (a win or loss only where they are apart) and, where given, the target."""
+    if ours.get(field) is None or not theirs.get(field):
+        return f"{label} n/a"
+    ratio = ours[field] / theirs[field]
+    said = verdict(ours, theirs, field, lower_is_better)
+    if target is not None:
+        sign = "<=" if lower_is_better else ">="
+        met = ratio <= target if lower_is_better else ratio >= target
+        said += f"; target {sign} {target:g} {'met' if met else 'not met'}"
+    return f"{label} {ratio:.2f} ({said})"
+
+
+def ratios(records: list[dict[str, Any]], floor: dict[str, Any] | None = None,
+           slo_s: float | None = None) -> list[str]:
+    """Ratios of medians, each with its verdict over the repeats' ranges."""
     lines = []
     for rate in sorted({r["rate_rps"] for r in records}):
+        here = [r for r in records if r["rate_rps"] == rate]
         ours, theirs = _get(records, "tokenfab", "round_robin", rate), \
             _get(records, "sglang-router", "round_robin", rate)
         if ours and theirs:
-            parts = [f"{label} {_ratio(ours[key], theirs[key])}" for label, key in (
-                ("TTFT p50", "ttft_p50_s"), ("TTFT p90", "ttft_p90_s"), ("ITL p99", "itl_p99_s"),
-                ("output tok/s", "output_tok_s"),
-                ("dataplane CPU/token", "dataplane_cpu_ms_per_token"))]
             lines.append(f"{rate:g} req/s, tokenfab round_robin / sglang-router round_robin: "
-                         + ", ".join(parts))
+                         + ", ".join(_compare(ours, theirs, label, field, target,
+                                              field != "output_tok_s")
+                                     for label, field, target in PARITY))
         ours, theirs = _get(records, "tokenfab", "kv_aware", rate), \
             _get(records, "sglang-router", "cache_aware", rate)
         if ours and theirs:
             lines.append(f"{rate:g} req/s, tokenfab kv_aware / sglang-router cache_aware: "
-                         f"TTFT p90 {_ratio(ours['ttft_p90_s'], theirs['ttft_p90_s'])}, "
-                         f"hit rate {_ratio(ours['hit_rate'], theirs['hit_rate'])}")
-            if floor:
-                target = 0.8 * theirs["ttft_p90_s"]
-                lines.append(
-                    f"{rate:g} req/s, 0.8x cache_aware's TTFT p90 is {target:.3f} s, "
-                    f"{_ratio(target, floor['ttft_p90_s'])}x the floor's p90 "
-                    f"({floor['ttft_p90_s']:.3f} s)"
-                    + (": below what any router can reach" if target < floor["ttft_p90_s"]
-                       else ""))
+                         + _compare(ours, theirs, "TTFT p90", "ttft_p90_s") + ", "
+                         + _compare(ours, theirs, "hit rate", "hit_rate", None, False))
         if floor:
-            here = [r for r in records if r["rate_rps"] == rate]
-            if here:
-                lines.append(f"{rate:g} req/s, TTFT p90 over the floor's: " + ", ".join(
-                    f"{r['system']} {r['policy']} {_ratio(r['ttft_p90_s'], floor['ttft_p90_s'])}"
-                    for r in here))
-        base = [r for r in records if r["rate_rps"] == rate and r["system"] != "tokenfab"]
-        mine = [r for r in records if r["rate_rps"] == rate and r["system"] == "tokenfab"]
+            lines.append(f"{rate:g} req/s, TTFT p90 over the floor's: " + ", ".join(
+                f"{r['system']} {r['policy']} {_ratio(r['ttft_p90_s'], floor['ttft_p90_s'])}"
+                for r in here))
+        base = [r for r in here if r["system"] != "tokenfab"]
+        mine = [r for r in here if r["system"] == "tokenfab"]
+        key = "dataplane_cpu_ms_per_token"
         if base and mine:
-            key = "dataplane_cpu_ms_per_token"
             best = min(base, key=lambda r: r[key])
-            parts = [f"tokenfab {r['policy']} {_ratio(r[key], best[key])}" for r in mine]
             lines.append(f"{rate:g} req/s, dataplane CPU/token against the best baseline "
                          f"({best['system']} {best['policy']}, {best[key]:.2f} ms): "
-                         + ", ".join(parts))
-        idle = [r for r in records if r["rate_rps"] == rate and "idle_dataplane_cpu_pct" in r]
-        if idle:
-            lines.append(f"{rate:g} req/s, the data path's CPU with no request running (3 s "
-                         "before the replay), % of a core, and as ms per output token at this "
-                         "load: " + ", ".join(
-                             f"{r['system']} {r['policy']} {r['idle_dataplane_cpu_pct']:.1f}% "
-                             f"({10 * r['idle_dataplane_cpu_pct'] / r['output_tok_s']:.2f} ms)"
-                             for r in idle if r["output_tok_s"]))
+                         + ", ".join(_compare(r, best, f"tokenfab {r['policy']}", key)
+                                     for r in mine))
+        lines.append(f"{rate:g} req/s, the data path's CPU with no request running (3 s before "
+                     "each replay), % of a core, and as ms per output token at this load: "
+                     + ", ".join(f"{r['system']} {r['policy']} {r['idle_dataplane_cpu_pct']:.1f}%"
+                                 f" ({10 * r['idle_dataplane_cpu_pct'] / r['output_tok_s']:.2f} "
+                                 "ms)" for r in here if r["output_tok_s"]))
+        lines.append(f"{rate:g} req/s, the client's wait for a CPU (s) and the largest stall "
+                     "cluster (requests): " + ", ".join(
+                         f"{r['system']} {r['policy']} {r['client_waited_s']:.2f}, "
+                         f"{r['stall_cluster_max_range'][1]:.0f}" for r in here))
+    return lines + _goodput_lines(records, slo_s)
+
+
+def _goodput_lines(records: list[dict[str, Any]], slo_s: float | None) -> list[str]:
+    rows = {(r["system"], r["policy"]): r for r in records if r.get("goodput_rps") is not None}
+    if not rows or slo_s is None:
+        return []
+    lines = [f"goodput (the highest rate with TTFT p90 <= {slo_s * 1000:.0f} ms and no failed "
+             "request; '>=' where every rate met it): " + ", ".join(
+                 f"{s} {p} {'>=' if r['goodput_lower_bound'] else ''}{r['goodput_rps']:.2f} "
+                 f"[{r['goodput_rps_range'][0]:.2f}-{r['goodput_rps_range'][1]:.2f}] req/s"
+                 for (s, p), r in rows.items())]
+    for ours, theirs in ((("tokenfab", "kv_aware"), ("sglang-router", "cache_aware")),
+                         (("tokenfab", "round_robin"), ("sglang-router", "round_robin"))):
+        if ours in rows and theirs in rows:
+            lines.append(f"goodput, {' '.join(ours)} / {' '.join(theirs)}: " + _compare(
+                rows[ours], rows[theirs], "", "goodput_rps",
+                1.2 if ours[1] == "kv_aware" else None, False).strip())
     return lines
 
 
@@ -75,10 +107,45 @@ def _f(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value * scale:.{digits}f}"
 
 
+def _m(row: dict[str, Any], field: str, scale: float = 1.0, digits: int = 3) -> str:
+    """A figure's median with its range over the repeats: "0.061 [0.055-0.070]"."""
+    low_high = row.get(f"{field}_range")
+    if row.get(field) is None or not low_high:
+        return "n/a"
+    low, high = low_high
+    return (f"{_f(row[field], scale, digits)} [{_f(low, scale, digits)}-"
+            f"{_f(high, scale, digits)}]")
+
+
 def _scheduling(scheduling: dict[str, Any]) -> str:
+    client = (f"the client in its own at nice {scheduling['client_nice']} (see "
+              "`prioritise_client` in machine.py)" if scheduling.get("prioritised", True) else
+              f"the client unprioritised: in the shell's group at nice "
+              f"{scheduling['client_nice']} (`--unprioritised`)")
     return (f"Scheduling: each stack in one session of its own (one autogroup: autogroups "
-            f"{'on' if scheduling['autogroup'] else 'off'}), the client in its own at nice "
-            f"{scheduling['client_nice']} (see `prioritise_client` in machine.py).")
+            f"{'on' if scheduling['autogroup'] else 'off'}), {client}.")
+
+
+def _window(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    sample = (f"{s['requests']} requests sampled by conversation root from `{s['trace']}` "
+              f"(root share {s['root_share']}, seed {s['seed']})")
+    if result.get("window") == "no-reuse":
+        sample += (", every request's blocks then made its own (`--window no-reuse`: the same "
+                   "arrivals and lengths, nothing shared, so no placement wins a hit)")
+    return sample
+
+
+def _knee(result: dict[str, Any]) -> str:
+    knee, slo = result.get("knee"), result.get("slo_s")
+    if not knee:
+        return "Loads: as given (no knee looked for)."
+    probes = ", ".join(f"{p['rate_rps']:g} req/s {_f(p['ttft_p90_s'])} s"
+                       for p in knee["probes"])
+    return (f"Loads: as given, and {knee['past_knee_rps']:g} req/s, the first rate at which "
+            f"{knee['system']} {knee['policy']}'s TTFT p90 "
+            + ("missed" if knee["missed"] else "still met (the probe's last step)")
+            + f" the target ({slo * 1000:.0f} ms) in the first repeat (probes: {probes}).")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -86,12 +153,16 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Head to head: tokenfab, sglang-router and vllm-router in front of vLLM", "",
         f"`{result['command']}`", "",
-        f"{s['requests']} requests sampled by conversation root from `{s['trace']}` (root share "
-        f"{s['root_share']}, seed {s['seed']}); each system before 2 engines of the tiny model "
+        f"{_window(result)}; each system before 2 engines of the tiny model "
         f"(1 pinned core each, eager, block {s['block_tokens']}, {s['kv_cache']} KV cache each, "
         f"prefix caching on); prompts of single-token words capped at {s['max_blocks']} blocks, "
         f"{s['max_tokens']} output tokens each. Infinite-cache hit rate (bound) of the sample: "
         f"{result['bound_hit_rate']:.3f}. Run took {result['duration_s'] / 60:.1f} min.", "",
+        f"Each figure: the median of {result.get('repeats', 1)} repeats, min-max in brackets; the "
+        "repeats were interleaved across systems (baselines then tokenfab, then the other way "
+        "round), with cold caches in every replay. A ratio is a win or a loss only where the "
+        "ranges do not overlap; otherwise a tie.", "",
+        _knee(result), "",
         "tokenfab's gateway: " + ("served by the pool's two replicas themselves "
                                   "(`gateway.colocate`)" if s.get("tokenfab_gateway") == "colocated"
                                   else "in a process of its own (the topology default)") + ".",
@@ -110,18 +181,19 @@ def markdown(result: dict[str, Any]) -> str:
         + (", ".join(sorted({x for v in result["sockets"].values()
                              for x in v["connected_outside"]})) or "none") + ".", "",
         "| system | policy | load | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | E2E p50 (s) | "
-        "ITL p50 (ms) | ITL p99 (ms) | output tok/s | hit rate | dataplane CPU (ms/token) | "
-        "background CPU (%) | engine CPU (%) | requests | failed |",
-        "|---|---|---|" + "---:|" * 13,
+        "ITL p99 (ms) | output tok/s | hit rate | dataplane CPU (ms/token) | "
+        "background CPU (%) | engine CPU (%) | client waited (s) | stall cluster | failed |",
+        "|---|---|---|" + "---:|" * 14,
     ]
     for r in result["records"]:
         lines.append(
-            f"| {r['system']} | {r['policy']} | {r['load']} | {_f(r['ttft_p50_s'])} | "
-            f"{_f(r['ttft_p90_s'])} | {_f(r['ttft_p99_s'])} | {_f(r['e2e_p50_s'])} | "
-            f"{_f(r['itl_p50_s'], 1000, 2)} | {_f(r['itl_p99_s'], 1000, 1)} | "
-            f"{r['output_tok_s']:.1f} | {r['hit_rate']:.3f} | "
-            f"{r['dataplane_cpu_ms_per_token']:.2f} | {r['background_cpu_pct']:.1f} | "
-            f"{r['cpu_pct_of_core']['engine']:.0f} | {r['requests']} | {r['failed']} |")
+            f"| {r['system']} | {r['policy']} | {r['load']} | {_m(r, 'ttft_p50_s')} | "
+            f"{_m(r, 'ttft_p90_s')} | {_m(r, 'ttft_p99_s')} | {_f(r['e2e_p50_s'])} | "
+            f"{_m(r, 'itl_p99_s', 1000, 1)} | {r['output_tok_s']:.1f} | "
+            f"{_m(r, 'hit_rate')} | {_m(r, 'dataplane_cpu_ms_per_token', 1, 2)} | "
+            f"{r['background_cpu_pct']:.1f} | {r['engine_cpu_pct']:.0f} | "
+            f"{_m(r, 'client_waited_s', 1, 2)} | {r['stall_cluster_max_range'][1]:.0f} | "
+            f"{r['failed_range'][1]:.0f} |")
     floor = result.get("floor")
     if floor:
         lines += ["", f"Floor: each request alone, in trace order, straight to one idle vLLM "
@@ -133,14 +205,16 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{_f(floor['ttft_p99_s'])} s; hit rate {floor['hit_rate']:.3f} (the engine's "
                   f"count; bound {result['bound_hit_rate']:.3f})."]
     lines += ["", "Ratios:", ""] + [f"- {line}" for line in result["ratios"]]
-    lines += ["", "Data-path and background processes, % of one core over the window:", ""]
-    for r in result["records"]:
-        top = [f"{process_cpu.short_name(row['title'])} {row['pct_of_core']:.1f}"
-               for row in r["cpu_breakdown"]
-               if row["category"] in ("dataplane", "background")][:8]
+    lines += ["", "Data-path and background processes, % of one core over the window (the last "
+              "repeat):", ""]
+    for row in result["records"]:
+        r = row["runs"][-1]
+        top = [f"{process_cpu.short_name(p['title'])} {p['pct_of_core']:.1f}"
+               for p in r["cpu_breakdown"] if p["category"] in ("dataplane", "background")][:8]
+        replayed = sum(run.get("attempts", 1) > 1 for run in row["runs"])
         lines.append(f"- {r['system']} {r['policy']} {r['load']}: " + ", ".join(top)
                      + f"; processes outside the stack: {r['cpu_pct_of_core']['other']:.1f}"
-                     + (f" (replayed {r['attempts']} times)" if r.get("attempts", 1) > 1 else ""))
+                     + (f" ({replayed} replays repeated for outside load)" if replayed else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -159,9 +233,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     width = 0.8 / max(1, len(setups))
     for ax, (key, label) in zip(axes, panels):
         for i, setup in enumerate(setups):
-            values = [(_get(records, *setup, rate) or {}).get(key) or 0 for rate in rates]
+            rows = [_get(records, *setup, rate) or {} for rate in rates]
+            values = [row.get(key) or 0 for row in rows]
+            spans = [row.get(f"{key}_range") or [v, v] for row, v in zip(rows, values)]
+            errors = [[v - lo for v, (lo, _) in zip(values, spans)],
+                      [hi - v for v, (_, hi) in zip(values, spans)]]
             ax.bar(np.arange(len(rates)) + i * width, values, width, label=" ".join(setup),
-                   hatch="//" if setup[0] == "tokenfab" else None)
+                   yerr=errors, capsize=2, hatch="//" if setup[0] == "tokenfab" else None)
         if key == "hit_rate":
             ax.set_ylim(0, 1)
             ax.axhline(result["bound_hit_rate"], color="k", linestyle="--", linewidth=1,
@@ -171,6 +249,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Mooncake trace sample, 2 tiny-model engines on CPU, cold caches per run")
+    fig.suptitle(f"{'Mooncake trace sample' if result.get('window') != 'no-reuse' else 'no-reuse window'}"
+                 f", 2 tiny-model engines on CPU, median and range of {result.get('repeats', 1)} "
+                 "repeats")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -40,7 +40,7 @@ def prioritise_client(nice: int) -> dict[str, Any]:
     autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled")
     applied = {"client_nice": nice,
                "autogroup": autogroup.exists() and autogroup.read_text().strip() == "1",
-               "client_session_leader": os.getsid(0) == os.getpid()}
+               "client_session_leader": os.getsid(0) == os.getpid(), "prioritised": True}
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
         if applied["autogroup"]:  # else a group's nice would not count
@@ -50,6 +50,15 @@ def prioritise_client(nice: int) -> dict[str, Any]:
               "may dominate latencies")
         applied["client_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
     return applied
+
+
+def unprioritised() -> dict[str, Any]:
+    """The client left where it was started: the shell's session and scheduling group, at its
+    priority (as a load generator or sidecar on a serving node would be)."""
+    autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    return {"client_nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "autogroup": autogroup.exists() and autogroup.read_text().strip() == "1",
+            "client_session_leader": os.getsid(0) == os.getpid(), "prioritised": False}
 
 
 def waited_for_cpu_s() -> float:

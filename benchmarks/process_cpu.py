@@ -25,6 +25,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,9 @@ class Proc:
     title: str
     ticks: int  # utime + stime from /proc/PID/stat: the kernel's total over live and exited threads
     thread_ticks: int  # the same summed over /proc/PID/task/*/stat (live threads only)
+    waited_ns: int = 0  # run delay (runnable, waiting for a CPU) over live threads: schedstat
+    nice: int = 0
+    session: int = 0  # with autogroups on, one scheduling group per session
 
 
 def _fields(stat: str) -> list[str]:
@@ -53,11 +59,12 @@ def _fields(stat: str) -> list[str]:
 def _read(pid_dir: Path) -> Proc | None:
     try:
         fields = _fields((pid_dir / "stat").read_text())
-        threads = 0
+        threads = waited = 0
         for task in (pid_dir / "task").iterdir():
             try:
                 tf = _fields((task / "stat").read_text())
-            except OSError:  # the thread exited
+                waited += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError):  # the thread exited
                 continue
             threads += int(tf[11]) + int(tf[12])
         title = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -65,7 +72,7 @@ def _read(pid_dir: Path) -> Proc | None:
     except (OSError, ValueError):
         return None
     return Proc(int(pid_dir.name), int(fields[1]), title, int(fields[11]) + int(fields[12]),
-                threads)
+                threads, waited, int(fields[16]), int(fields[3]))
 
 
 def snapshot() -> dict[tuple[int, int], Proc]:
@@ -94,6 +101,19 @@ def cpu_seconds(before: dict[tuple[int, int], Proc],
         if ticks > 0:
             used[proc.pid] = (proc, ticks / HZ)
     return used
+
+
+def waited_seconds(before: dict[tuple[int, int], Proc],
+                   after: dict[tuple[int, int], Proc]) -> dict[int, float]:
+    """Seconds each process's threads spent runnable but waiting for a CPU between the snapshots
+    (threads alive at both; a process that started in between counts from zero)."""
+    out = {}
+    for key, proc in after.items():
+        old = before.get(key)
+        waited = proc.waited_ns - (old.waited_ns if old else 0)
+        if waited > 0:
+            out[proc.pid] = waited / 1e9
+    return out
 
 
 def classify(procs: dict[int, Proc], front_pids: set[int], client_pid: int) -> dict[int, str]:
@@ -192,16 +212,51 @@ def summary(run: dict[str, Any], output_tokens: int) -> dict[str, Any]:
     core over `run["window_s"]`, and the processes that counted (`run["cpu"]`: pid -> (proc,
     seconds); `run["categories"]`: pid -> category)."""
     window, categories = run["window_s"], run["categories"]
-    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    waits = run.get("waited", {})  # pid -> seconds runnable, waiting for a CPU
+    seconds, waited = dict.fromkeys(CATEGORIES, 0.0), dict.fromkeys(CATEGORIES, 0.0)
     breakdown = []
     for pid, (proc, used) in run["cpu"].items():
         category = categories.get(pid, "other")
         seconds[category] += used
+        waited[category] += waits.get(pid, 0.0)
         if category != "other" or used >= 0.05 * window:
             breakdown.append({"pid": pid, "title": proc.title[:100], "category": category,
                               "cpu_s": round(used, 3),
-                              "pct_of_core": round(100 * used / window, 1)})
+                              "pct_of_core": round(100 * used / window, 1),
+                              "waited_s": round(waits.get(pid, 0.0), 3), "nice": proc.nice,
+                              "session": proc.session})
     breakdown.sort(key=lambda row: -row["cpu_s"])
     return {"dataplane_cpu_ms_per_token": 1000 * seconds["dataplane"] / max(1, output_tokens),
             "cpu_pct_of_core": {c: round(100 * s / window, 1) for c, s in seconds.items()},
+            "waited_s": {c: round(s, 3) for c, s in waited.items()},
             "cpu_breakdown": breakdown}
+
+
+def profile_dataplane(stack: set[int], label: str, snap: dict[tuple[int, int], Proc],
+                      out: Path) -> threading.Thread:
+    """py-spy on one data-path Python process of each title, 15 s from 5 s on (a thread; join
+    it): raw stacks to `out`/<label>-<title>-<pid>.txt."""
+    procs = {p.pid: p for p in snap.values()}
+    chosen: dict[str, int] = {}
+    for pid, category in sorted(classify(procs, stack, os.getpid()).items()):
+        if category == "dataplane":
+            chosen.setdefault(procs[pid].title.split()[0], pid)
+    out.mkdir(parents=True, exist_ok=True)
+    spy = str(Path(sys.executable).with_name("py-spy"))
+
+    def run() -> None:
+        time.sleep(5)
+        jobs = []
+        for title, pid in chosen.items():
+            name = f"{label}-{re.sub(r'[^A-Za-z0-9.-]+', '_', title)}-{pid}.txt"
+            jobs.append(subprocess.Popen([spy, "record", "-p", str(pid), "-d", "15", "-r", "50",
+                                          "-f", "raw", "--nonblocking", "--threads",
+                                          "-o", str(out / name)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            print(f"   profiling {title} (pid {pid}) -> {out / name}")
+        for job in jobs:
+            job.wait()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread

@@ -28,6 +28,19 @@ def sample_by_root(path: Path, share: float, seed: int) -> list[dict[str, Any]]:
     return [row for row in rows if row["hash_ids"][0] in chosen]
 
 
+def without_reuse(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same requests (arrivals, lengths) with every block their own: no prefix is shared,
+    so no placement can win a hit.
+
+    Example: hash_ids [7, 8] and [7, 9] -> [0, 1] and [2, 3]."""
+    out, serial = [], 0
+    for row in requests:
+        count = len(row["hash_ids"])
+        out.append(row | {"hash_ids": list(range(serial, serial + count))})
+        serial += count
+    return out
+
+
 def upper_bound_hit_rate(requests: list[dict[str, Any]], max_blocks: int = MAX_BLOCKS) -> float:
     """Share of prompt blocks an infinite cache shared by all replicas would serve."""
     return lru_hit_rate(requests, sys.maxsize, max_blocks)

@@ -1,0 +1,82 @@
+"""The benchmarks' repeated-run statistics (benchmarks/intervals.py), the no-reuse window
+(benchmarks/traces.py) and the head-to-head's stall clusters (benchmarks/h2h_figures.py)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.intervals import aggregate, goodput, verdict
+from benchmarks.traces import upper_bound_hit_rate, without_reuse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from h2h_figures import stall_clusters, with_goodput  # noqa: E402
+
+
+def test_aggregate_takes_the_median_and_range_of_each_group_in_first_seen_order():
+    records = [{"s": "b", "x": 3.0}, {"s": "a", "x": 0.1}, {"s": "a", "x": 0.3},
+               {"s": "a", "x": 0.2}, {"s": "b", "x": None}]
+    rows = aggregate(records, ("s",), ("x",))
+    assert [(r["s"], r["repeats"], r["x"], r["x_range"]) for r in rows] == [
+        ("b", 2, 3.0, [3.0, 3.0]), ("a", 3, 0.2, [0.1, 0.3])]
+    assert rows[1]["runs"] == records[1:4]
+
+
+@pytest.mark.parametrize("ours, theirs, lower_is_better, expected", [
+    ([0.1, 0.2], [0.3, 0.4], True, "win"),
+    ([0.1, 0.2], [0.3, 0.4], False, "loss"),
+    ([0.3, 0.5], [0.1, 0.2], True, "loss"),
+    ([0.1, 0.3], [0.3, 0.4], True, "tie"),  # touching ranges overlap
+    ([0.1, 0.5], [0.2, 0.3], True, "tie"),
+])
+def test_verdict_is_a_win_or_loss_only_where_the_ranges_are_apart(ours, theirs, lower_is_better,
+                                                                   expected):
+    assert verdict({"f_range": ours}, {"f_range": theirs}, "f", lower_is_better) == expected
+
+
+@pytest.mark.parametrize("points, expected", [
+    ([(4, 0.10, 0), (2, 0.05, 0), (8, 0.50, 0)], (5.0, False)),  # a quarter of the way to 8
+    ([(2, 0.05, 0), (4, 0.10, 0)], (4, True)),                   # every rate met: a lower bound
+    ([(2, 0.05, 0), (4, 0.10, 1), (8, 0.10, 0)], (2, False)),    # a failure ends it
+    ([(2, 0.30, 0), (4, 0.10, 0)], (0.0, False)),                # missed at the lowest rate
+    ([(2, 0.05, 0), (4, None, 0)], (2, False)),                  # no token at all
+    ([(2, 0.05, 0), (4, 0.40, 0), (8, 0.10, 0)], (2.857143, False)),  # the first miss decides
+])
+def test_goodput_interpolates_between_the_last_rate_met_and_the_first_missed(points, expected):
+    rate, bound = goodput(points, 0.2)
+    assert (round(rate, 6), bound) == expected
+
+
+def test_goodput_per_setup_is_found_in_each_repeat_then_summarised():
+    def run(repeat, rate, p90):
+        return {"system": "s", "policy": "p", "load": f"{rate} req/s", "rate_rps": rate,
+                "repeat": repeat, "ttft_p90_s": p90, "failed": 0}
+    records = [run(0, 2, 0.1), run(0, 4, 0.3), run(1, 2, 0.1), run(1, 4, 0.1),
+               run(2, 2, 0.1), run(2, 4, 0.25)]
+    rows = with_goodput(records, 0.2)
+    # repeat 0: 2 + 2 x 0.5 = 3; repeat 1: >= 4; repeat 2: 2 + 2 x (0.1 / 0.15)
+    assert [r["rate_rps"] for r in rows] == [2, 4]
+    assert rows[0]["goodput_runs"] == pytest.approx([3.0, 4.0, 2 + 2 * 0.1 / 0.15])
+    assert rows[0]["goodput_rps"] == pytest.approx(2 + 2 * 0.1 / 0.15)
+    assert rows[0]["goodput_rps_range"] == pytest.approx([3.0, 4.0])
+    assert rows[0]["goodput_lower_bound"] is True
+    assert rows[1]["ttft_p90_s"] == 0.25 and rows[1]["ttft_p90_s_range"] == [0.1, 0.3]
+
+
+@pytest.mark.parametrize("firsts, expected", [
+    ([], 0),
+    ([1.0, 1.002, 1.004, 2.0], 3),
+    ([1.0, 1.004, 1.008, 1.012], 2),  # a chain of 4 ms steps: no 3 within 5 ms
+    ([3.0, 1.0, 2.0], 1),
+])
+def test_stall_clusters_count_the_most_bursts_within_5_ms(firsts, expected):
+    assert stall_clusters(firsts) == expected
+
+
+def test_without_reuse_keeps_arrivals_and_lengths_and_shares_no_block():
+    requests = [{"timestamp": 0, "hash_ids": [7, 8]}, {"timestamp": 5, "hash_ids": [7, 9, 10]}]
+    assert upper_bound_hit_rate(requests) > 0
+    out = without_reuse(requests)
+    assert out == [{"timestamp": 0, "hash_ids": [0, 1]}, {"timestamp": 5, "hash_ids": [2, 3, 4]}]
+    assert upper_bound_hit_rate(out) == 0.0
+    assert requests[0]["hash_ids"] == [7, 8]  # the sample itself is left as it was
