@@ -116,10 +116,11 @@ def kv_bytes_per_token(model: str) -> int:
 
 
 def start_engine(session: Session, model: str, core: int, port: int, kv_bytes: int,
-                 logs: Path, extra: tuple[str, ...] = ()) -> Process:
+                 logs: Path, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> Process:
     """A vLLM OpenAI server on 127.0.0.1:`port`, its engine pinned to `core`; prefix caching
     and `POST /reset_prefix_cache` on, cached tokens reported in usage; `extra` arguments
-    after those (LoRA's, say)."""
+    after those (LoRA's, say), `env` added to its environment."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", model, "--served-model-name", "tiny",
                "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
@@ -127,7 +128,7 @@ def start_engine(session: Session, model: str, core: int, port: int, kv_bytes: i
                "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", str(BLOCK_TOKENS),
                "--enable-prompt-tokens-details", *extra]
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_HOST_IP": "127.0.0.1",
-           "VLLM_SERVER_DEV_MODE": "1"}
+           "VLLM_SERVER_DEV_MODE": "1"} | (env or {})
     return session.spawn(command, env, logs / f"vllm-{port}.log")
 
 

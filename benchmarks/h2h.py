@@ -14,9 +14,10 @@ at a time; odd repeats run tokenfab first. Each figure is reported as the median
 with its min-max range, and a ratio is called a win or a loss only where the ranges do not
 overlap (intervals.py); otherwise it is a tie.
 
-Loads: `--rates`, and, unless `--no-knee`, one more past round_robin's knee, found in the first
+Loads: `--rates`, and, unless `--no-knee`, two around round_robin's knee, found in the first
 repeat by replaying sglang-router round_robin at rising rates (x1.4 from the highest given) until
-its TTFT p90 exceeds the target (`--slo-factor` times the floor's p90). Goodput: the highest rate
+its TTFT p90 exceeds the target (`--slo-factor` times the floor's p90): that rate and the last
+one that met it. Goodput: the highest rate
 at which a system's TTFT p90 stays within that target with no failed request, interpolated
 between the measured rates in each repeat (h2h_figures.with_goodput).
 
@@ -221,8 +222,8 @@ class Bench:
 
     def find_knee(self, front: Front) -> None:
         """Replay this round_robin front at rising rates (x1.4 from the highest given, at most 8
-        steps) until its TTFT p90 misses the target or a request fails; that rate is added to
-        the loads, so the highest one is past round_robin's knee."""
+        steps) until its TTFT p90 misses the target or a request fails; that rate and the one
+        before it are added to the loads, so the highest is past round_robin's knee."""
         rate, probes = max(self.rates), []
         for step in range(8):
             run = self._clean_replay(front, rate, 700_000 + 10 * step, None)
@@ -233,8 +234,11 @@ class Bench:
                 break
             rate = round(rate * 1.4, 1)
         missed = probes[-1]
-        if missed["rate_rps"] not in self.rates:
-            self.rates.append(missed["rate_rps"])
+        # the last rate that met the target and the first that missed bracket the knee, so
+        # goodput is interpolated across the knee rather than from far below it
+        for probe in probes[-2:]:
+            if probe["rate_rps"] not in self.rates:
+                self.rates.append(probe["rate_rps"])
         self.knee = {"system": front.system, "policy": front.policy, "slo_s": self.slo_s,
                      "probes": probes, "past_knee_rps": missed["rate_rps"],
                      "missed": bool(missed["failed"] or (missed["ttft_p90_s"] or 1e9) > self.slo_s)}

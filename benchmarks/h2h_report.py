@@ -145,7 +145,8 @@ def _knee(result: dict[str, Any]) -> str:
     return (f"Loads: as given, and {knee['past_knee_rps']:g} req/s, the first rate at which "
             f"{knee['system']} {knee['policy']}'s TTFT p90 "
             + ("missed" if knee["missed"] else "still met (the probe's last step)")
-            + f" the target ({slo * 1000:.0f} ms) in the first repeat (probes: {probes}).")
+            + f" the target ({slo * 1000:.0f} ms) in the first repeat, with the probe before it "
+            f"(probes: {probes}). Goodput is interpolated between the measured rates.")
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -1,0 +1,159 @@
+"""The ported routers (sim/baselines*.py) against the real ones: the same window through the real
+sglang-router and vllm-router before 2 vLLM engines, and through the simulator with each port.
+
+Real: two vLLM servers of the tiny model (one pinned core each, eager, block 32, 24MiB KV cache,
+prefix caching on: h2h.py's engines), each logging which requests it received (engine_log.py, a
+middleware: no hop is added), behind each router in turn; the h2h's window (116 requests sampled
+by conversation root, 32 output tokens each) replayed at each rate with cold caches. Simulated:
+the same requests, arrivals and rate through 2 engines of the `cpu-tiny` profile (fitted to
+these engines by benchmarks/sim_fidelity.py) routed by the port. Per (router, rate):
+- agreement: the share of requests the port sent to the same engine as the real router (the
+  first worker URL is the port's first replica, as both routers list their workers in order);
+- hit rate: the engines' cached prompt tokens over prompt tokens, real (from usage) and
+  simulated, and their difference (the target: within 0.03).
+
+    .venv/bin/python benchmarks/port_fidelity.py [--rates 3.5,12] [--routers sglang,vllm-router]
+
+Writes benchmarks/results/port_fidelity.{json,md} (routing_at_scale.py quotes the ports' lines).
+Dynamo's KV router is not validated: it needs NATS, etcd and its own engine workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from baseline_stack import Session, reset_prefix_caches, routed, start_engine, wait_ready
+from engine_log import digest
+from h2h_client import MAX_TOKENS, body, replay, warm_up
+from machine import prioritise_client
+from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root, single_token_words)
+
+from sim import params as profiles
+from sim import workload
+from sim.cluster import SimCluster
+from sim.loop import EventLoop
+
+RESULTS = Path(__file__).parent / "results"
+TRACE = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
+MODEL = str(Path("~/.cache/tokenfab/models/tiny-llama").expanduser())
+ENGINE_PORTS, ROUTER_PORT, METRICS_PORT = (8144, 8145), 8152, 8162
+ROUTERS = {"sglang": ("sglang-router", "sglang:cache_aware"),
+           "vllm-router": ("vllm-router", "vllm-router:cache_aware")}
+
+
+def real_run(session: Session, system: str, urls: list[str], logs: Path, rows: list[dict],
+             words: list[str], namespace: int, rate: float) -> dict[str, Any]:
+    """The window through the real router: each request's engine (index into `urls`) and the
+    hit rate the engines reported."""
+    with routed(session, system, "cache_aware", ROUTER_PORT, METRICS_PORT, urls, logs) as url:
+        warm_up(url, rows, Prompts(words, 90_000 + namespace))
+        reset_prefix_caches(urls)
+        for port in ENGINE_PORTS:
+            (logs / f"requests-{port}.jsonl").write_text("")
+        prompts = Prompts(words, namespace)
+        results = asyncio.run(replay(url, rows, prompts, rate))
+        reset_prefix_caches(urls)
+    served = {}
+    for index, port in enumerate(ENGINE_PORTS):
+        for line in (logs / f"requests-{port}.jsonl").read_text().splitlines():
+            served[json.loads(line)["prompt"]] = index
+    engines = [served.get(digest(body(prompts.prompt(row))["prompt"])) for row in rows]
+    usages = [r["usage"] for r in results if r["status"] == 200]
+    prompt = sum(u.get("prompt_tokens", 0) for u in usages)
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
+    return {"engines": engines, "hit_rate": cached / prompt if prompt else 0.0,
+            "failed": sum(r["status"] != 200 for r in results)}
+
+
+def simulated(port: str, rows: list[dict], rate: float) -> dict[str, Any]:
+    """The window through the port in the simulator: each request's engine and the hit rate."""
+    params = profiles.load("cpu-tiny")
+    requests = workload.requests(rows, rate, tokens_per_id=BLOCK_TOKENS,
+                                 block_size=params.block_size,
+                                 max_prompt_tokens=MAX_BLOCKS * BLOCK_TOKENS + 1,
+                                 output_tokens=lambda row: MAX_TOKENS, exact_ids=True)
+    loop = EventLoop()
+    sim = SimCluster(loop, params, port, 2)
+    sim.submit(requests)
+    loop.run()
+    prompt = sum(r.prompt_tokens for r in requests)
+    return {"engines": [int(r.replica[1:]) for r in requests],
+            "hit_rate": sum(r.cached_tokens for r in requests) / prompt if prompt else 0.0}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["# The ported routers against the real ones, at 2 engines", "",
+             f"`{result['command']}`. {result['requests']} requests (the h2h's window), 2 engines "
+             "of the tiny model; simulated with the `cpu-tiny` profile. Run took "
+             f"{result['wall_s'] / 60:.1f} min.", "",
+             "| router | port | load | agreement | hit rate, real | hit rate, port | "
+             "difference | within 0.03 |", "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in result["records"]:
+        lines.append(f"| {r['router']} | {r['policy']} | {r['rate_rps']:g} req/s | "
+                     f"{r['agreement']:.3f} | {r['real_hit_rate']:.3f} | {r['sim_hit_rate']:.3f} "
+                     f"| {r['hit_rate_diff']:+.3f} | "
+                     f"{'yes' if abs(r['hit_rate_diff']) <= 0.03 else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="3.5,12")
+    parser.add_argument("--routers", default="sglang,vllm-router")
+    parser.add_argument("--logs", default="/tmp/port-fidelity-logs")
+    parser.add_argument("--out", default=str(RESULTS / "port_fidelity.json"))
+    args = parser.parse_args()
+    prioritise_client(-10)
+    began = time.monotonic()
+    rows = sample_by_root(TRACE, 0.03, 0)
+    words = single_token_words(MODEL)
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    session = Session()
+    urls = [f"http://127.0.0.1:{port}" for port in ENGINE_PORTS]
+    records = []
+    try:
+        here = str(Path(__file__).parent)
+        engines = [start_engine(session, MODEL, core, port, 24 << 20, logs,
+                                ("--middleware", "engine_log.RequestLog"),
+                                {"PYTHONPATH": here,
+                                 "ENGINE_REQUEST_LOG": str(logs / f"requests-{port}.jsonl")})
+                   for core, port in enumerate(ENGINE_PORTS)]
+        for url, engine in zip(urls, engines):
+            wait_ready(url, engine, 900, "/health")
+        for k, name in enumerate(args.routers.split(",")):
+            system, port = ROUTERS[name]
+            for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+                real = real_run(session, system, urls, logs, rows, words, 1 + 10 * k + i, rate)
+                sim = simulated(port, rows, rate)
+                agree = sum(a == b for a, b in zip(real["engines"], sim["engines"]))
+                records.append({"router": system, "policy": port, "rate_rps": rate,
+                                "agreement": agree / len(rows),
+                                "unlogged": sum(e is None for e in real["engines"]),
+                                "real_hit_rate": real["hit_rate"], "sim_hit_rate": sim["hit_rate"],
+                                "hit_rate_diff": sim["hit_rate"] - real["hit_rate"],
+                                "failed": real["failed"], "real_engines": real["engines"],
+                                "sim_engines": sim["engines"]})
+                print({k: v for k, v in records[-1].items() if not k.endswith("engines")})
+    finally:
+        session.close()
+    result = {"command": "python benchmarks/port_fidelity.py --rates " + args.rates
+              + " --routers " + args.routers, "requests": len(rows), "records": records,
+              "ports": [{"policy": r["policy"], "rate_rps": r["rate_rps"],
+                         "agreement": r["agreement"], "sim_hit_rate": r["sim_hit_rate"],
+                         "real_hit_rate": r["real_hit_rate"],
+                         "hit_rate_diff": r["hit_rate_diff"]} for r in records],
+              "wall_s": time.monotonic() - began}
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

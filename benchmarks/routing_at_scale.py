@@ -1,0 +1,315 @@
+"""Routing at 16-256 replicas against other routers' own algorithms, in simulation: goodput at a
+TTFT target, latency at two loads, hit rate and load imbalance per policy.
+
+Every policy routes the same requests through a simulated pool of engines of one GPU profile
+(`sim.cluster.SimCluster`): tokenfab's policies with its real router code, configured as for that
+engine (`router.max_in_flight` = the engine's max_num_seqs: the default, 64, would turn a replica
+away at 64 requests in flight, a small share of what a GPU engine batches), the others with their
+ports (`sim.baselines`: sglang-router 0.3.2 cache_aware, vllm-router 0.1.17 cache_aware, Dynamo's
+KV router cost), round_robin as the reference. Two workloads with prefix sharing:
+- `mooncake`: a Mooncake-format trace (`--trace`; one hash id per 512 tokens), tiled (each copy
+  with ids of its own, its arrivals rotated: more conversations, the same shape of reuse, as
+  benchmarks/simulator.py does) and cut to `--requests-per-replica` requests per replica (at
+  least `--min-requests`);
+- `sessions`: generated: `--system-prompts` system prompts (2-8 ids, Zipf popularity) shared by
+  multi-turn sessions (geometric turns, mean 4; each turn sends the whole conversation so far,
+  one id of user text and one of the last answer more each time), sessions starting as a Poisson
+  stream and turns following after exponential think times.
+
+The target: TTFT p90 at most `--slo-factor` times the floor's p90, the floor being each request
+alone on an idle engine whose cache holds every block seen before it (no router can do better).
+Goodput: per (workload, replicas, policy), the highest rate at which the TTFT p90 meets the target
+and every request finishes, found by rates x1.5 from `--start-rate` per replica until one misses,
+then `--bisect` halvings between the last met and that one (down by /1.5 where the first misses). Then each policy is replayed at 50% and
+90% of the best policy's goodput: TTFT p50/p90/p99, hit rate and imbalance (max over mean requests
+on a replica, sampled each simulated second while any is busy, averaged).
+
+    .venv/bin/python benchmarks/routing_at_scale.py [--replicas 16,64,256] [--workloads mooncake,sessions]
+        [--policies round_robin,kv_aware,sglang:cache_aware,vllm-router:cache_aware,dynamo:kv]
+
+Writes benchmarks/results/routing_at_scale.{json,md}; the ports' validation against the real
+routers at 2 engines comes from benchmarks/results/port_fidelity.json when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim import params as profiles
+from sim import workload
+from sim.cluster import SimCluster
+from sim.engine import SimRequest
+from sim.loop import EventLoop
+from sim.params import EngineParams
+from sim.run import percentile
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
+POLICIES = "round_robin,kv_aware,sglang:cache_aware,vllm-router:cache_aware,dynamo:kv"
+TOKENS_PER_ID = 512
+BASELINES = ("sglang:cache_aware", "vllm-router:cache_aware", "dynamo:kv")
+
+
+# --- Workloads --------------------------------------------------------------------------------
+
+def sessions(count: int, system_prompts: int, seed: int) -> list[dict[str, Any]]:
+    """Mooncake-format rows of `count` requests: multi-turn sessions over shared system prompts.
+
+    Example: a session on system prompt [0, 1] sends [0, 1, u1], then [0, 1, u1, a1, u2], ..."""
+    rng = random.Random(seed)
+    prompts = [list(range(1_000 * p, 1_000 * p + rng.randint(2, 8))) for p in range(system_prompts)]
+    weights = [1 / (rank + 1) for rank in range(system_prompts)]  # Zipf, s = 1
+    rows, serial, start_ms = [], 10**9, 0.0
+    while len(rows) < count:
+        start_ms += rng.expovariate(1 / 2_000)  # a session every 2 s of trace time
+        history = list(rng.choices(prompts, weights)[0])
+        at_ms, turns = start_ms, 1 + int(rng.expovariate(1 / 3))
+        for _ in range(turns):
+            history.append(serial)  # the user's next message
+            rows.append({"timestamp": at_ms, "input_length": len(history) * TOKENS_PER_ID,
+                         "output_length": rng.randint(64, 512), "hash_ids": list(history)})
+            history.append(serial + 1)  # the answer, sent back with the next turn
+            serial += 2
+            at_ms += rng.expovariate(1 / 30_000)  # reading and typing
+    rows.sort(key=lambda row: row["timestamp"])
+    return rows[:count]
+
+
+def make_rows(name: str, base: list[dict[str, Any]], replicas: int,
+              args: argparse.Namespace) -> list[dict[str, Any]]:
+    count = max(args.min_requests, replicas * args.requests_per_replica)
+    if name == "sessions":
+        return sessions(count, args.system_prompts * max(1, replicas // 16), args.seed)
+    # the first `count` of the tiled trace: a stretch of time in which every copy keeps its reuse
+    return workload.tile(base, max(1, math.ceil(count / len(base))), seed=args.seed)[:count]
+
+
+def build(params: EngineParams, rows: list[dict[str, Any]], rate: float,
+          args: argparse.Namespace) -> list[SimRequest]:
+    return workload.requests(
+        rows, rate, tokens_per_id=TOKENS_PER_ID, block_size=params.block_size,
+        max_prompt_tokens=params.max_model_len - args.max_output_tokens,
+        output_tokens=lambda row: max(1, min(args.max_output_tokens, row["output_length"])))
+
+
+# --- One replay -------------------------------------------------------------------------------
+
+def replay(params: EngineParams, policy: str, replicas: int, requests: list[SimRequest],
+           seed: int) -> dict[str, Any]:
+    """The requests through a cold pool; latency, hit rate and imbalance."""
+    loop = EventLoop()
+    sim = SimCluster(loop, params, policy, replicas, seed=seed,
+                     max_in_flight=params.max_num_seqs)
+    ratios: list[float] = []
+
+    def sample() -> None:
+        loads = [r.engine.load() for r in sim.replicas.values()]
+        if sum(loads):
+            ratios.append(max(loads) / (sum(loads) / len(loads)))
+        if len(sim.finished) < len(requests):
+            loop.after(1.0, sample)
+
+    sim.submit(requests)
+    loop.after(1.0, sample)
+    loop.run()
+    done = [r for r in requests if r.first_token is not None and r.finished is not None]
+    ttft = np.array([r.first_token - r.arrival for r in done])
+    prompt = sum(r.prompt_tokens for r in done)
+    return {"requests": len(requests), "unfinished": len(requests) - len(done),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
+            "hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
+            "imbalance": float(np.mean(ratios)) if ratios else 1.0}
+
+
+def floor_p90(params: EngineParams, rows: list[dict[str, Any]], args: argparse.Namespace) -> float:
+    """TTFT p90 with each request alone on one idle engine whose cache holds every block: one
+    replica, a cache that never evicts, arrivals an hour apart."""
+    requests = build(params, rows, 1 / 3600, args)
+    blocks = len({h for r in requests for h in r.block_hashes}) + 2 * len(requests) \
+        + sum(r.output_tokens for r in requests) // params.block_size
+    big = params.with_kv_blocks(blocks + params.max_model_len // params.block_size)
+    return replay(big, "round_robin", 1, requests, args.seed)["ttft_p90_s"]
+
+
+def meets(result: dict[str, Any], slo_s: float) -> bool:
+    return not result["unfinished"] and result["ttft_p90_s"] <= slo_s
+
+
+def goodput(params: EngineParams, rows: list[dict[str, Any]], policy: str, replicas: int,
+            slo_s: float, args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
+    """The highest rate (req/s, whole pool) meeting the target, and every probe."""
+    probes: list[dict[str, Any]] = []
+
+    def probe(per_replica: float) -> bool:
+        result = replay(params, policy, replicas, build(params, rows, per_replica * replicas,
+                                                         args), args.seed)
+        probes.append({"rate_per_replica": per_replica, **result})
+        return meets(result, slo_s)
+
+    if probe(args.start_rate):
+        low, high = args.start_rate, args.start_rate * 1.5
+        while probe(high):
+            low, high = high, high * 1.5
+            if high > 64 * args.start_rate:
+                raise RuntimeError(f"{policy} at {replicas} replicas met the target at "
+                                   f"{low:g} req/s per replica: raise --start-rate")
+    else:
+        low, high = args.start_rate / 1.5, args.start_rate
+        while not probe(low):
+            low, high = low / 1.5, low
+            if low < args.start_rate / 64:
+                return 0.0, probes
+    for _ in range(args.bisect):
+        middle = (low + high) / 2
+        low, high = (middle, high) if probe(middle) else (low, middle)
+    return low * replicas, probes
+
+
+# --- The run ----------------------------------------------------------------------------------
+
+def run_scale(params: EngineParams, name: str, rows: list[dict[str, Any]], replicas: int,
+              slo_s: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each policy's goodput at this scale, then each at 50% and 90% of the best one's."""
+    policies = args.policies.split(",")
+    found = {}
+    for policy in policies:
+        began = time.monotonic()
+        found[policy] = goodput(params, rows, policy, replicas, slo_s, args)
+        print(f"{name}, {replicas} replicas, {policy}: goodput {found[policy][0]:.1f} req/s "
+              f"({len(found[policy][1])} probes, {time.monotonic() - began:.0f} s)", flush=True)
+    best = max(rate for rate, _ in found.values())
+    records = []
+    for policy in policies:
+        record = {"workload": name, "replicas": replicas, "policy": policy,
+                  "goodput_rps": found[policy][0], "probes": len(found[policy][1])}
+        for share in (0.5, 0.9):
+            result = replay(params, policy, replicas, build(params, rows, share * best, args),
+                            args.seed)
+            record[f"at_{round(share * 100)}pct"] = {"rate_rps": share * best, **result}
+        records.append(record)
+    return records
+
+
+def verdicts(records: list[dict[str, Any]]) -> list[str]:
+    """kv_aware's goodput against the best ported baseline's, per workload and scale (target
+    1.3x at 64 replicas and more)."""
+    lines = []
+    for name, replicas in dict.fromkeys((r["workload"], r["replicas"]) for r in records):
+        at = {r["policy"]: r for r in records if (r["workload"], r["replicas"]) == (name, replicas)}
+        ported = [at[p] for p in BASELINES if p in at]
+        if "kv_aware" not in at or not ported:
+            continue
+        best = max(ported, key=lambda r: r["goodput_rps"])
+        ratio = at["kv_aware"]["goodput_rps"] / best["goodput_rps"] if best["goodput_rps"] else \
+            math.inf
+        target = "" if replicas < 64 else \
+            f"; target >= 1.3: {'met' if ratio >= 1.3 else 'not met'}"
+        lines.append(f"{name}, {replicas} replicas: kv_aware's goodput "
+                     f"{at['kv_aware']['goodput_rps']:.1f} req/s, {ratio:.2f}x the best ported "
+                     f"baseline's ({best['policy']}, {best['goodput_rps']:.1f}){target}")
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    p, a = result["profile"], result["args"]
+    lines = [
+        "# Routing at scale against other routers' algorithms, simulated", "",
+        f"`{result['command']}`. Run took {result['wall_s'] / 60:.1f} min. Simulated engines of "
+        f"profile `{p['name']}` ({p['source']}): KV cache {p['kv_blocks']} blocks of "
+        f"{p['block_size']} tokens, {p['max_num_batched_tokens']} tokens per step. "
+        f"{a['requests_per_replica']} requests per replica (at least {a['min_requests']}); outputs up to "
+        f"{a['max_output_tokens']} tokens. The simulation is deterministic: a point is one run.",
+        "",
+        "Policies: tokenfab's (its router code, unchanged; `router.max_in_flight` "
+        f"{p['max_num_seqs']}, the engine's max_num_seqs) and ports of sglang-router 0.3.2 "
+        "cache_aware, vllm-router 0.1.17 cache_aware and Dynamo's KV router (`sim/baselines*.py` "
+        "name their source files).", "",
+        "Floor and target (TTFT p90 at most "
+        f"{a['slo_factor']:g}x the floor's p90): " + ", ".join(
+            f"{name} floor {f['floor_p90_s'] * 1000:.0f} ms, target {f['slo_s'] * 1000:.0f} ms"
+            for name, f in result["targets"].items()) + ".", "",
+        "| workload | replicas | policy | goodput (req/s) | TTFT p50 / p90 / p99 at 50% (s) | "
+        "TTFT p50 / p90 / p99 at 90% (s) | hit rate at 50% / 90% | imbalance at 50% / 90% |",
+        "|---|---:|---|---:|---|---|---|---|",
+    ]
+    for r in result["records"]:
+        half, most = r["at_50pct"], r["at_90pct"]
+        lines.append(
+            f"| {r['workload']} | {r['replicas']} | {r['policy']} | {r['goodput_rps']:.1f} | "
+            + " | ".join(f"{x['ttft_p50_s']:.3f} / {x['ttft_p90_s']:.3f} / {x['ttft_p99_s']:.3f}"
+                         for x in (half, most))
+            + f" | {half['hit_rate']:.3f} / {most['hit_rate']:.3f} | "
+            f"{half['imbalance']:.2f} / {most['imbalance']:.2f} |")
+    lines += ["", "Verdicts:", ""] + [f"- {line}" for line in result["verdicts"]]
+    fidelity = result.get("validation")
+    if fidelity:
+        lines += ["", "Validation of the ports against the real routers at 2 engines "
+                  "(port_fidelity.json):", "",
+                  "| port | agreement | hit rate, port | hit rate, real | difference |",
+                  "|---|---:|---:|---:|---:|"]
+        for v in fidelity:
+            lines.append(f"| {v['policy']} | {v['agreement']:.3f} | {v['sim_hit_rate']:.3f} | "
+                         f"{v['real_hit_rate']:.3f} | {v['hit_rate_diff']:+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", default="16,64,256")
+    parser.add_argument("--workloads", default="mooncake,sessions")
+    parser.add_argument("--policies", default=POLICIES)
+    parser.add_argument("--trace", default=str(TRACE), help="the mooncake workload's trace")
+    parser.add_argument("--profile", default="h100-llama-3.1-8b")
+    parser.add_argument("--requests-per-replica", type=int, default=12)
+    parser.add_argument("--min-requests", type=int, default=1000)
+    parser.add_argument("--max-output-tokens", type=int, default=1024)
+    parser.add_argument("--system-prompts", type=int, default=16,
+                        help="the sessions workload's system prompts per 16 replicas")
+    parser.add_argument("--slo-factor", type=float, default=5.0)
+    parser.add_argument("--start-rate", type=float, default=1.0, help="req/s per replica")
+    parser.add_argument("--bisect", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS / "routing_at_scale.json"))
+    args = parser.parse_args()
+    import msgspec
+
+    began = time.monotonic()
+    params = profiles.load(args.profile)
+    base = workload.read_trace(Path(args.trace))
+    records, targets = [], {}
+    for name in args.workloads.split(","):
+        rows = make_rows(name, base, 16, args)
+        floor = floor_p90(params, rows, args)
+        targets[name] = {"floor_p90_s": floor, "slo_s": args.slo_factor * floor}
+        print(f"{name}: floor TTFT p90 {floor:.3f} s, target {args.slo_factor * floor:.3f} s")
+        for replicas in (int(n) for n in args.replicas.split(",")):
+            records += run_scale(params, name, make_rows(name, base, replicas, args), replicas,
+                                 targets[name]["slo_s"], args)
+    fidelity = RESULTS / "port_fidelity.json"
+    result = {"command": "python benchmarks/routing_at_scale.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                  if k not in ("out", "trace")),
+              "profile": msgspec.to_builtins(params), "args": vars(args), "targets": targets,
+              "records": records, "verdicts": verdicts(records),
+              "validation": json.loads(fidelity.read_text())["ports"] if fidelity.exists()
+              else None,
+              "wall_s": time.monotonic() - began}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
