@@ -9,8 +9,7 @@ ports (`sim.baselines`: sglang-router 0.3.2 cache_aware, vllm-router 0.1.17 cach
 KV router cost), round_robin as the reference. Two workloads with prefix sharing:
 - `mooncake`: a Mooncake-format trace (`--trace`; one hash id per 512 tokens), tiled (each copy
   with ids of its own, its arrivals rotated: more conversations, the same shape of reuse, as
-  benchmarks/simulator.py does) and cut to `--requests-per-replica` requests per replica (at
-  least `--min-requests`);
+  benchmarks/simulator.py does) and cut to `--window-s` seconds of arrivals at the rate;
 - `sessions`: generated: `--system-prompts` system prompts (2-8 ids, Zipf popularity) shared by
   multi-turn sessions (geometric turns, mean 4; each turn sends the whole conversation so far,
   one id of user text and one of the last answer more each time), sessions starting as a Poisson
@@ -19,8 +18,10 @@ KV router cost), round_robin as the reference. Two workloads with prefix sharing
 The target: TTFT p90 at most `--slo-factor` times the floor's p90, the floor being each request
 alone on an idle engine whose cache holds every block seen before it (no router can do better).
 Goodput: per (workload, replicas, policy), the highest rate at which the TTFT p90 meets the target
-and every request finishes, found by rates x1.5 from `--start-rate` per replica until one misses,
-then `--bisect` halvings between the last met and that one (down by /1.5 where the first misses). Then each policy is replayed at 50% and
+and every request finishes, over `--window-s` seconds of arrivals (long enough that a rate past
+capacity queues past the target), found by rates x1.5 from a start (per replica: `--start-rate`
+at the first scale, then the best goodput of the scale before) until one misses, then
+`--bisect` halvings between the last met and that one (down by /1.5 where the first misses). Then each policy is replayed at 50% and
 90% of the best policy's goodput: TTFT p50/p90/p99, hit rate and imbalance (max over mean requests
 on a replica, sampled each simulated second while any is busy, averaged).
 
@@ -84,9 +85,11 @@ def sessions(count: int, system_prompts: int, seed: int) -> list[dict[str, Any]]
     return rows[:count]
 
 
-def make_rows(name: str, base: list[dict[str, Any]], replicas: int,
+def make_rows(name: str, base: list[dict[str, Any]], replicas: int, rate: float,
               args: argparse.Namespace) -> list[dict[str, Any]]:
-    count = max(args.min_requests, replicas * args.requests_per_replica)
+    """`--window-s` of arrivals at `rate` (req/s, the whole pool): so many requests that a rate
+    past the pool's capacity builds a queue longer than the target, whatever the scale."""
+    count = max(100, round(rate * args.window_s))
     if name == "sessions":
         return sessions(count, args.system_prompts * max(1, replicas // 16), args.seed)
     # the first `count` of the tiled trace: a stretch of time in which every copy keeps its reuse
@@ -145,29 +148,32 @@ def meets(result: dict[str, Any], slo_s: float) -> bool:
     return not result["unfinished"] and result["ttft_p90_s"] <= slo_s
 
 
-def goodput(params: EngineParams, rows: list[dict[str, Any]], policy: str, replicas: int,
-            slo_s: float, args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
-    """The highest rate (req/s, whole pool) meeting the target, and every probe."""
+def goodput(params: EngineParams, name: str, base: list[dict[str, Any]], policy: str,
+            replicas: int, slo_s: float, start: float, args: argparse.Namespace
+            ) -> tuple[float, list[dict[str, Any]]]:
+    """The highest rate (req/s, whole pool) meeting the target, searched from `start` req/s per
+    replica, and every probe."""
     probes: list[dict[str, Any]] = []
 
     def probe(per_replica: float) -> bool:
-        result = replay(params, policy, replicas, build(params, rows, per_replica * replicas,
-                                                         args), args.seed)
+        rate = per_replica * replicas
+        rows = make_rows(name, base, replicas, rate, args)
+        result = replay(params, policy, replicas, build(params, rows, rate, args), args.seed)
         probes.append({"rate_per_replica": per_replica, **result})
         return meets(result, slo_s)
 
-    if probe(args.start_rate):
-        low, high = args.start_rate, args.start_rate * 1.5
+    if probe(start):
+        low, high = start, start * 1.5
         while probe(high):
             low, high = high, high * 1.5
-            if high > 64 * args.start_rate:
+            if high > 64 * start:
                 raise RuntimeError(f"{policy} at {replicas} replicas met the target at "
                                    f"{low:g} req/s per replica: raise --start-rate")
     else:
-        low, high = args.start_rate / 1.5, args.start_rate
+        low, high = start / 1.5, start
         while not probe(low):
             low, high = low / 1.5, low
-            if low < args.start_rate / 64:
+            if low < start / 64:
                 return 0.0, probes
     for _ in range(args.bisect):
         middle = (low + high) / 2
@@ -177,14 +183,16 @@ def goodput(params: EngineParams, rows: list[dict[str, Any]], policy: str, repli
 
 # --- The run ----------------------------------------------------------------------------------
 
-def run_scale(params: EngineParams, name: str, rows: list[dict[str, Any]], replicas: int,
-              slo_s: float, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each policy's goodput at this scale, then each at 50% and 90% of the best one's."""
-    policies = args.policies.split(",")
+def run_scale(params: EngineParams, name: str, base: list[dict[str, Any]], replicas: int,
+              slo_s: float, start: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each policy's goodput at this scale (searched from `start` req/s per replica), then each
+    policy at 50% and 90% of the best one's."""
+    policies = [p for p in args.policies.split(",")
+                if replicas <= args.max_replicas.get(p, replicas)]
     found = {}
     for policy in policies:
         began = time.monotonic()
-        found[policy] = goodput(params, rows, policy, replicas, slo_s, args)
+        found[policy] = goodput(params, name, base, policy, replicas, slo_s, start, args)
         print(f"{name}, {replicas} replicas, {policy}: goodput {found[policy][0]:.1f} req/s "
               f"({len(found[policy][1])} probes, {time.monotonic() - began:.0f} s)", flush=True)
     best = max(rate for rate, _ in found.values())
@@ -193,6 +201,7 @@ def run_scale(params: EngineParams, name: str, rows: list[dict[str, Any]], repli
         record = {"workload": name, "replicas": replicas, "policy": policy,
                   "goodput_rps": found[policy][0], "probes": len(found[policy][1])}
         for share in (0.5, 0.9):
+            rows = make_rows(name, base, replicas, share * best, args)
             result = replay(params, policy, replicas, build(params, rows, share * best, args),
                             args.seed)
             record[f"at_{round(share * 100)}pct"] = {"rate_rps": share * best, **result}
@@ -227,7 +236,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['command']}`. Run took {result['wall_s'] / 60:.1f} min. Simulated engines of "
         f"profile `{p['name']}` ({p['source']}): KV cache {p['kv_blocks']} blocks of "
         f"{p['block_size']} tokens, {p['max_num_batched_tokens']} tokens per step. "
-        f"{a['requests_per_replica']} requests per replica (at least {a['min_requests']}); outputs up to "
+        f"Each replay: {a['window_s']:g} s of arrivals; outputs up to "
         f"{a['max_output_tokens']} tokens. The simulation is deterministic: a point is one run.",
         "",
         "Policies: tokenfab's (its router code, unchanged; `router.max_in_flight` "
@@ -270,45 +279,62 @@ def main() -> None:
     parser.add_argument("--policies", default=POLICIES)
     parser.add_argument("--trace", default=str(TRACE), help="the mooncake workload's trace")
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
-    parser.add_argument("--requests-per-replica", type=int, default=12)
-    parser.add_argument("--min-requests", type=int, default=1000)
+    parser.add_argument("--window-s", type=float, default=40.0,
+                        help="seconds of arrivals in each replay")
     parser.add_argument("--max-output-tokens", type=int, default=1024)
     parser.add_argument("--system-prompts", type=int, default=16,
                         help="the sessions workload's system prompts per 16 replicas")
-    parser.add_argument("--slo-factor", type=float, default=5.0)
+    parser.add_argument("--slo-factor", type=float, default=3.0)
     parser.add_argument("--start-rate", type=float, default=1.0, help="req/s per replica")
-    parser.add_argument("--bisect", type=int, default=2)
+    parser.add_argument("--bisect", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-replicas", default="dynamo:kv=64",
+                        help="policies run only up to so many replicas (the Dynamo port's "
+                        "decisions and events cost the simulator minutes a replay at 256)")
     parser.add_argument("--out", default=str(RESULTS / "routing_at_scale.json"))
     args = parser.parse_args()
-    import msgspec
+    args.max_replicas = {k: int(v) for k, v in (item.split("=") for item in
+                                                 filter(None, args.max_replicas.split(",")))}
 
     began = time.monotonic()
     params = profiles.load(args.profile)
     base = workload.read_trace(Path(args.trace))
     records, targets = [], {}
     for name in args.workloads.split(","):
-        rows = make_rows(name, base, 16, args)
-        floor = floor_p90(params, rows, args)
+        floor = floor_p90(params, make_rows(name, base, 16, 1.0, args)[:1000], args)
         targets[name] = {"floor_p90_s": floor, "slo_s": args.slo_factor * floor}
         print(f"{name}: floor TTFT p90 {floor:.3f} s, target {args.slo_factor * floor:.3f} s")
+        start = args.start_rate
         for replicas in (int(n) for n in args.replicas.split(",")):
-            records += run_scale(params, name, make_rows(name, base, replicas, args), replicas,
-                                 targets[name]["slo_s"], args)
+            records += run_scale(params, name, base, replicas, targets[name]["slo_s"], start,
+                                 args)
+            # the next scale's search starts at this one's best goodput per replica
+            start = max(r["goodput_rps"] for r in records if r["workload"] == name
+                        and r["replicas"] == replicas) / replicas or args.start_rate
+            write(Path(args.out), params, args, targets, records, began)
+    print(write(Path(args.out), params, args, targets, records, began))
+
+
+def write(out: Path, params: EngineParams, args: argparse.Namespace, targets: dict[str, Any],
+          records: list[dict[str, Any]], began: float) -> str:
+    """The results so far (after each scale: a long run that stops keeps what it measured)."""
+    import msgspec
+
     fidelity = RESULTS / "port_fidelity.json"
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "trace")}
     result = {"command": "python benchmarks/routing_at_scale.py " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                  if k not in ("out", "trace")),
-              "profile": msgspec.to_builtins(params), "args": vars(args), "targets": targets,
+                  f"--{k.replace('_', '-')} {v}" for k, v in settings.items()
+                  if k != "max_replicas") + " --max-replicas " + ",".join(
+                  f"{k}={v}" for k, v in args.max_replicas.items()),
+              "profile": msgspec.to_builtins(params), "args": settings, "targets": targets,
               "records": records, "verdicts": verdicts(records),
               "validation": json.loads(fidelity.read_text())["ports"] if fidelity.exists()
               else None,
               "wall_s": time.monotonic() - began}
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(markdown(result))
-    print(out.with_suffix(".md").read_text())
+    return out.with_suffix(".md").read_text()
 
 
 if __name__ == "__main__":

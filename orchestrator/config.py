@@ -100,7 +100,10 @@ class RouterSpec(_Strict):
         "on the base model (a baseline: what an adapter-blind router gets).")
     max_in_flight: int = Field(
         64, ge=1, description="A replica with this many requests in flight takes no more "
-        "requests while another replica has room, however much of the prompt it holds.")
+        "requests while another replica has room, however much of the prompt it holds. The "
+        "default suits engines that batch tens of requests (CPU); on GPU set the engine's "
+        "max_num_seqs, or replicas holding a conversation's prefix are skipped at a small "
+        "share of what they can run.")
     tie_tolerance: float = Field(
         0.05, ge=0, lt=1, description="Replicas scoring within this fraction of the best are "
         "picked at random among themselves.")
