@@ -80,3 +80,33 @@ def test_without_reuse_keeps_arrivals_and_lengths_and_shares_no_block():
     assert out == [{"timestamp": 0, "hash_ids": [0, 1]}, {"timestamp": 5, "hash_ids": [2, 3, 4]}]
     assert upper_bound_hit_rate(out) == 0.0
     assert requests[0]["hash_ids"] == [7, 8]  # the sample itself is left as it was
+
+
+def test_sessions_extend_the_conversation_over_a_shared_system_prompt():
+    from routing_at_scale import sessions
+
+    rows = sessions(400, 4, seed=0)
+    assert len(rows) == 400 and rows == sessions(400, 4, seed=0)
+    assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
+    systems = {tuple(r["hash_ids"][:2]) for r in rows}
+    assert len(systems) <= 4  # every prompt opens with one of the 4 system prompts
+    by_last = {r["hash_ids"][-1]: r for r in rows}
+    followed = 0
+    for row in rows:  # a later turn holds the earlier one whole, then its answer and a message
+        earlier = by_last.get(row["hash_ids"][-3]) if len(row["hash_ids"]) > 3 else None
+        if earlier is not None and row["hash_ids"][:-2] == earlier["hash_ids"]:
+            assert row["timestamp"] >= earlier["timestamp"]
+            assert row["input_length"] == earlier["input_length"] + 2 * 512
+            followed += 1
+    assert followed > 100
+
+
+@pytest.mark.parametrize("real, sim, expected", [
+    ([0, 0, 1, 1], [0, 0, 1, 0], (0.75, False)),
+    ([0, 0, 1, None], [1, 1, 0, 0], (0.75, True)),  # the engines paired the other way round
+    ([0, 1], [0, 0], (0.5, False)),
+])
+def test_port_agreement_takes_the_better_pairing_of_the_engines(real, sim, expected):
+    from port_fidelity import agreement
+
+    assert agreement(real, sim) == expected
