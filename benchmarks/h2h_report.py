@@ -33,7 +33,8 @@ def _compare(ours: dict, theirs: dict, label: str, field: str, target: float | N
     if ours.get(field) is None or not theirs.get(field):
         return f"{label} n/a"
     ratio = ours[field] / theirs[field]
-    said = verdict(ours, theirs, field, lower_is_better)
+    single = min(ours.get("repeats", 1), theirs.get("repeats", 1)) < 2
+    said = "one run: no verdict" if single else verdict(ours, theirs, field, lower_is_better)
     if target is not None:
         sign = "<=" if lower_is_better else ">="
         met = ratio <= target if lower_is_better else ratio >= target
