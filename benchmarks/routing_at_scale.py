@@ -4,7 +4,9 @@ TTFT target, latency at two loads, hit rate and load imbalance per policy.
 Every policy routes the same requests through a simulated pool of engines of one GPU profile
 (`sim.cluster.SimCluster`): tokenfab's policies with its real router code, configured as for that
 engine (`router.max_in_flight` = the engine's max_num_seqs: the default, 64, would turn a replica
-away at 64 requests in flight, a small share of what a GPU engine batches), the others with their
+away at 64 requests in flight, a small share of what a GPU engine batches) and the target below
+as the pool's TTFT target (kv_aware skips replicas estimated past it; the ports take no target,
+having no such setting), the others with their
 ports (`sim.baselines`: sglang-router 0.3.2 cache_aware, vllm-router 0.1.17 cache_aware, Dynamo's
 KV router cost), round_robin as the reference. Two workloads with prefix sharing:
 - `mooncake`: a Mooncake-format trace (`--trace`; one hash id per 512 tokens), tiled (each copy
@@ -107,11 +109,11 @@ def build(params: EngineParams, rows: list[dict[str, Any]], rate: float,
 # --- One replay -------------------------------------------------------------------------------
 
 def replay(params: EngineParams, policy: str, replicas: int, requests: list[SimRequest],
-           seed: int) -> dict[str, Any]:
+           seed: int, ttft_target_s: float = 0.0) -> dict[str, Any]:
     """The requests through a cold pool; latency, hit rate and imbalance."""
     loop = EventLoop()
     sim = SimCluster(loop, params, policy, replicas, seed=seed,
-                     max_in_flight=params.max_num_seqs)
+                     max_in_flight=params.max_num_seqs, ttft_target_s=ttft_target_s)
     ratios: list[float] = []
 
     def sample() -> None:
@@ -158,7 +160,8 @@ def goodput(params: EngineParams, name: str, base: list[dict[str, Any]], policy:
     def probe(per_replica: float) -> bool:
         rate = per_replica * replicas
         rows = make_rows(name, base, replicas, rate, args)
-        result = replay(params, policy, replicas, build(params, rows, rate, args), args.seed)
+        result = replay(params, policy, replicas, build(params, rows, rate, args), args.seed,
+                        slo_s)
         probes.append({"rate_per_replica": per_replica, **result})
         return meets(result, slo_s)
 
@@ -203,7 +206,7 @@ def run_scale(params: EngineParams, name: str, base: list[dict[str, Any]], repli
         for share in (0.5, 0.9):
             rows = make_rows(name, base, replicas, share * best, args)
             result = replay(params, policy, replicas, build(params, rows, share * best, args),
-                            args.seed)
+                            args.seed, slo_s)
             record[f"at_{round(share * 100)}pct"] = {"rate_rps": share * best, **result}
         records.append(record)
     return records

@@ -73,7 +73,8 @@ class RouterSpec(_Strict):
     policy: Literal["kv_aware", "prefix_approx", "round_robin", "least_loaded"] = Field(
         "kv_aware",
         description="kv_aware: lowest estimated time to first token from the engines' KV events "
-        "and a TTFT model fitted online, with affinity to where the prefix was sent, and new "
+        "and a TTFT model fitted online, with affinity to where the prefix was sent, within "
+        "the TTFT target (ttft_target_s), and new "
         "prompts placed where the prefix caches have the most free or cold room. "
         "prefix_approx: prefix affinity from the router's own past decisions, balanced by queue "
         "length. round_robin: in turn. least_loaded: power of two choices on requests in flight "
@@ -104,6 +105,11 @@ class RouterSpec(_Strict):
         "default suits engines that batch tens of requests (CPU); on GPU set the engine's "
         "max_num_seqs, or replicas holding a conversation's prefix are skipped at a small "
         "share of what they can run.")
+    ttft_target_s: float | None = Field(
+        None, ge=0, description="kv_aware: a replica whose estimated time to first token for "
+        "the request exceeds this is not chosen while another's does not, however much of "
+        "the prompt it holds (a popular prefix would otherwise queue on its holder). Unset: "
+        "the pool's TTFT target (autoscaler.ttft_p90_s, or the pool's own); 0: none.")
     tie_tolerance: float = Field(
         0.05, ge=0, lt=1, description="Replicas scoring within this fraction of the best are "
         "picked at random among themselves.")

@@ -13,7 +13,7 @@ from typing import Any
 from router.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker
 from router.index import ReplicaId
 from router.plugins import Candidate, Filter, Picker, RouteRequest
-from router.scorers import SCORERS, AdapterSlotFilter, OverloadFilter
+from router.scorers import SCORERS, AdapterSlotFilter, OverloadFilter, TTFTTargetFilter
 
 # Default scorer weights of each score-based policy; `router.weights` in a topology replaces them.
 DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
@@ -29,6 +29,7 @@ DEFAULT_MAX_CANDIDATES = 64  # replicas scored per decision (about 5 us each); 0
 _PREFIX_SCORERS = frozenset({"prefix", "approx_prefix", "ttft", "delay", "cache_room"})
 _MAP_SCORERS = frozenset({"prefix", "ttft", "delay", "cache_room"})
 _MODEL_SCORERS = frozenset({"ttft", "delay"})
+_MODEL_FILTERS = frozenset({"ttft_target"})  # filters that read the estimate, so all of the above
 
 
 @dataclass
@@ -58,7 +59,12 @@ class Policy:
     @property
     def uses_prefixes(self) -> bool:
         """Whether ranking reads the request's block hashes (else no prompt is hashed)."""
-        return bool(_PREFIX_SCORERS & set(self.weights))
+        return bool(_PREFIX_SCORERS & set(self.weights)) or self._estimates
+
+    @property
+    def _estimates(self) -> bool:
+        """Whether a filter reads the estimated TTFT (the map's cached tokens and the model)."""
+        return any(step.name in _MODEL_FILTERS for step in self.filters)
 
     @property
     def reads_candidates(self) -> bool:
@@ -78,13 +84,13 @@ class Policy:
     @property
     def reads_block_map(self) -> bool:
         """Whether ranking reads the KV block map (else no engine events are followed)."""
-        return bool(_MAP_SCORERS & set(self.weights))
+        return bool(_MAP_SCORERS & set(self.weights)) or self._estimates
 
     @property
     def reads_ttft_model(self) -> bool:
         """Whether ranking reads the replicas' fitted TTFT models (else candidates carry the
         model's defaults, and no model is read per replica)."""
-        return bool(_MODEL_SCORERS & set(self.weights))
+        return bool(_MODEL_SCORERS & set(self.weights)) or self._estimates
 
     def shortlist(self, replicas: Sequence[ReplicaId], *lookups: Mapping[ReplicaId, int],
                   ) -> tuple[list[ReplicaId], list[ReplicaId]]:
@@ -137,10 +143,11 @@ class Policy:
 
 
 def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
-                 max_in_flight: int = 64, tolerance: float = 0.05,
+                 max_in_flight: int = 64, ttft_target_s: float = 0.0, tolerance: float = 0.05,
                  max_candidates: int = DEFAULT_MAX_CANDIDATES,
                  rng: random.Random | None = None) -> Policy:
-    """The policy called `name` in a topology file, with optional scorer weights."""
+    """The policy called `name` in a topology file, with optional scorer weights. kv_aware
+    skips replicas estimated past `ttft_target_s` (0: no target) while others are not."""
     if name not in DEFAULT_WEIGHTS:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(DEFAULT_WEIGHTS)}")
     rng = rng or random.Random()
@@ -150,6 +157,9 @@ def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
         return Policy(name, [], DEFAULT_WEIGHTS[name], PowerOfTwoPicker(rng),
                       max_candidates=max_candidates, rng=rng)
     chosen = dict(weights) if weights else DEFAULT_WEIGHTS[name]
-    return Policy(name, [OverloadFilter(max_in_flight), AdapterSlotFilter()], chosen,
+    filters: list[Filter] = [OverloadFilter(max_in_flight), AdapterSlotFilter()]
+    if name == "kv_aware" and ttft_target_s > 0:
+        filters.append(TTFTTargetFilter(ttft_target_s))
+    return Policy(name, filters, chosen,
                   MaxScorePicker(tolerance, rng),
                   max_candidates=max_candidates, rng=rng)

@@ -55,7 +55,7 @@ class SimCluster:
                  max_ongoing_requests: int = 256, event_lag_s: float = 0.002,
                  refresh_s: float = 1.0, max_index_entries: int | None = None,
                  max_history_entries: int | None = None, max_in_flight: int = 64,
-                 pool: str = POOL,
+                 ttft_target_s: float = 0.0, pool: str = POOL,
                  prefix: str = "r", pull_s: PullTime | None = None,
                  on_pulled: Callable[[SimRequest], None] | None = None,
                  on_finished: Callable[[SimRequest], None] | None = None) -> None:
@@ -70,7 +70,7 @@ class SimCluster:
         # `router.max_in_flight`, whose default (64) suits CPU engines: a GPU engine batching
         # hundreds of requests wants its own max_num_seqs there
         self.policy = build_policy(policy, weights, max_in_flight=max_in_flight,
-                                   rng=random.Random(seed))
+                                   ttft_target_s=ttft_target_s, rng=random.Random(seed))
         bounds = {"max_index_entries": max_index_entries,
                   "max_history_entries": max_history_entries}
         extra = {name: value for name, value in bounds.items() if value is not None}

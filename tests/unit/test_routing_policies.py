@@ -12,7 +12,8 @@ from router.pickers import MaxScorePicker, RoundRobinPicker
 from router.plugins import Candidate, RouteRequest
 from router.policies import build_policy
 from router.scorers import (ApproxPrefixScorer, CacheRoomScorer, DelayScorer, KVUsageScorer,
-                            OverloadFilter, PrefixScorer, QueueScorer, TTFTScorer)
+                            OverloadFilter, PrefixScorer, QueueScorer, TTFTScorer,
+                            TTFTTargetFilter)
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 REQ = RouteRequest(prompt_tokens=2048, block_size=128)
@@ -85,6 +86,39 @@ def test_scorers_without_a_readable_prompt_do_not_divide_by_zero() -> None:
 def test_overload_filter(in_flight, kept) -> None:
     candidates = [cand(name, in_flight=n) for name, n in zip("abc", in_flight)]
     assert [c.replica for c in OverloadFilter(8).filter(REQ, candidates)] == kept
+
+
+@pytest.mark.parametrize(("queued", "kept"), [
+    # estimates at 4,000 tokens/s with the prompt uncached: (queued + 2,048) / 4,000
+    ([100, 0], ["a", "b"]),  # 0.537 and 0.512 s, both within 0.6 s
+    ([1000, 0], ["b"]),  # 0.762 s is past it
+    ([1000, 1400, 0], ["c"]),
+    ([1000, 1400], ["a", "b"]),  # none within: both remain
+])
+def test_ttft_target_filter(queued, kept) -> None:
+    candidates = [cand(name, queued_prefill_tokens=n) for name, n in zip("abc", queued)]
+    assert [c.replica for c in TTFTTargetFilter(0.6).filter(REQ, candidates)] == kept
+
+
+def test_kv_aware_keeps_a_popular_prefix_within_the_ttft_target() -> None:
+    """The prefix's holder is estimated at 0.942 s (3,000 queued, 2 in flight, 1,536 of 2,048
+    tokens held), an idle replica at 0.512 s. Affinity keeps the holder without a target (its
+    score 0.544 + 0.75 + 0.25 against 1.0 + 0 + 0.25); a 0.8 s target sends the request away, and a
+    1 s target allows the holder again."""
+    holder = cand("a", cached_tokens=1536, approx_cached_tokens=1536,
+                  queued_prefill_tokens=3000, in_flight=2)
+    candidates = [holder, cand("b")]
+    assert holder.estimated_ttft_s(REQ) == pytest.approx(0.942)
+
+    def first(target: float) -> ReplicaId:
+        policy = build_policy("kv_aware", ttft_target_s=target, rng=random.Random(1))
+        return policy.rank(REQ, candidates).ranked[0].replica
+
+    assert (first(0.0), first(0.8), first(1.0)) == (A, B, A)
+    # the target needs the estimate even where no scorer reads it
+    policy = build_policy("kv_aware", {"queue": 1.0}, ttft_target_s=0.8)
+    assert policy.reads_ttft_model and policy.reads_block_map and policy.uses_prefixes
+    assert not build_policy("kv_aware", {"queue": 1.0}).reads_ttft_model
 
 
 def test_max_score_picker_breaks_near_ties_at_random_and_keeps_the_rest_in_order() -> None:
