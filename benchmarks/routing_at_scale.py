@@ -2,12 +2,10 @@
 TTFT target, latency at two loads, hit rate and load imbalance per policy.
 
 Every policy routes the same requests through a simulated pool of engines of one GPU profile
-(`sim.cluster.SimCluster`): tokenfab's policies with its real router code, configured as for that
-engine (`router.max_in_flight` = the engine's max_num_seqs: the default, 64, would turn a replica
-away at 64 requests in flight, a small share of what a GPU engine batches) and the target below
-as the pool's TTFT target (kv_aware skips replicas estimated past it; the ports take no target,
-having no such setting), the others with their
-ports (`sim.baselines`: sglang-router 0.3.2 cache_aware, vllm-router 0.1.17 cache_aware, Dynamo's
+(`sim.cluster.SimCluster`): tokenfab's policies with its real router code and defaults (a replica
+takes no more requests at its engine's max_num_seqs in flight), the target below as the pool's
+TTFT target (kv_aware skips replicas estimated past it; the ports have no such setting); the
+others with their ports (`sim.baselines`: sglang-router 0.3.2 cache_aware, vllm-router 0.1.17 cache_aware, Dynamo's
 KV router cost), round_robin as the reference. Two workloads with prefix sharing:
 - `mooncake`: a Mooncake-format trace (`--trace`; one hash id per 512 tokens), tiled (each copy
   with ids of its own, its arrivals rotated: more conversations, the same shape of reuse, as
@@ -112,8 +110,7 @@ def replay(params: EngineParams, policy: str, replicas: int, requests: list[SimR
            seed: int, ttft_target_s: float = 0.0) -> dict[str, Any]:
     """The requests through a cold pool; latency, hit rate and imbalance."""
     loop = EventLoop()
-    sim = SimCluster(loop, params, policy, replicas, seed=seed,
-                     max_in_flight=params.max_num_seqs, ttft_target_s=ttft_target_s)
+    sim = SimCluster(loop, params, policy, replicas, seed=seed, ttft_target_s=ttft_target_s)
     ratios: list[float] = []
 
     def sample() -> None:
@@ -144,6 +141,39 @@ def floor_p90(params: EngineParams, rows: list[dict[str, Any]], args: argparse.N
         + sum(r.output_tokens for r in requests) // params.block_size
     big = params.with_kv_blocks(blocks + params.max_model_len // params.block_size)
     return replay(big, "round_robin", 1, requests, args.seed)["ttft_p90_s"]
+
+
+def engine_seconds(params: EngineParams, prompt: int, cached: int, output: int
+                   ) -> tuple[float, float]:
+    """The least engine time one request takes under the profile's step law, with its step base
+    shared by a batch of any size: (prefill, prefill and decode). Its prefill computes
+    `prompt - cached` tokens, then each of `output - 1` decode steps one token
+    over a context one longer each time."""
+    p, new = params, prompt - cached
+    prefill = (p.per_token_s * new + p.per_seq_s + p.per_kv_token_s * prompt
+               + p.per_attn_pair_s * new * (prompt - new + new / 2))
+    steps = output - 1
+    context = steps * prompt + steps * (steps + 1) / 2  # summed over the decode steps
+    decode = (steps * (p.per_token_s + p.per_seq_s) + p.per_kv_token_s * context
+              + p.per_attn_pair_s * (context + steps / 2))
+    return prefill, prefill + decode
+
+
+def capacity(params: EngineParams, requests: list[SimRequest], replicas: int) -> dict[str, float]:
+    """The highest rate any policy could sustain on these requests: every leading block seen
+    before anywhere cached (`reuse_bound`, the hit rate of an infinite shared cache) and the
+    work spread perfectly. `capacity_rps`: replicas over the mean engine seconds of a request;
+    `prefill_capacity_rps`: the same counting prefills only (first tokens can outpace decodes
+    for a while)."""
+    hit = prompt = prefill = total = 0.0
+    for request, cached in workload.reusable_tokens(requests, params.block_size):
+        first, whole = engine_seconds(params, request.prompt_tokens, cached,
+                                      request.output_tokens)
+        hit, prompt = hit + cached, prompt + request.prompt_tokens
+        prefill, total = prefill + first, total + whole
+    n = len(requests)
+    return {"reuse_bound": hit / prompt, "capacity_rps": replicas * n / total,
+            "prefill_capacity_rps": replicas * n / prefill}
 
 
 def meets(result: dict[str, Any], slo_s: float) -> bool:
@@ -232,6 +262,19 @@ def verdicts(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def with_capacities(params: EngineParams, base: list[dict[str, Any]],
+                    records: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Each record gets the capacity of its (workload, replicas) on the window at its best
+    policy's goodput."""
+    for name, replicas in dict.fromkeys((r["workload"], r["replicas"]) for r in records):
+        at = [r for r in records if (r["workload"], r["replicas"]) == (name, replicas)]
+        rate = max(r["goodput_rps"] for r in at)
+        bound = capacity(params, build(params, make_rows(name, base, replicas, rate, args),
+                                       rate, args), replicas)
+        for record in at:
+            record["capacity"] = bound
+
+
 def markdown(result: dict[str, Any]) -> str:
     p, a = result["profile"], result["args"]
     lines = [
@@ -242,8 +285,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"Each replay: {a['window_s']:g} s of arrivals; outputs up to "
         f"{a['max_output_tokens']} tokens. The simulation is deterministic: a point is one run.",
         "",
-        "Policies: tokenfab's (its router code, unchanged; `router.max_in_flight` "
-        f"{p['max_num_seqs']}, the engine's max_num_seqs) and ports of sglang-router 0.3.2 "
+        "Policies: tokenfab's (its router code and defaults: a replica takes no more requests "
+        f"at its engine's max_num_seqs, {p['max_num_seqs']}, in flight; the target below as the "
+        "pool's TTFT target, `router.ttft_target_s`) and ports of sglang-router 0.3.2 "
         "cache_aware, vllm-router 0.1.17 cache_aware and Dynamo's KV router (`sim/baselines*.py` "
         "name their source files).", "",
         "Floor and target (TTFT p90 at most "
@@ -262,6 +306,22 @@ def markdown(result: dict[str, Any]) -> str:
                          for x in (half, most))
             + f" | {half['hit_rate']:.3f} / {most['hit_rate']:.3f} | "
             f"{half['imbalance']:.2f} / {most['imbalance']:.2f} |")
+    lines += ["", "Capacity: the highest rate any policy could sustain on the window at the "
+              "best goodput: every leading block seen before anywhere cached (the reuse bound), "
+              "the work spread perfectly, each step's base time shared by a batch of any size. "
+              "Prefill capacity counts the prefills only. A replay's "
+              f"{a['window_s']:g} s of arrivals lets a pool run above these for a while, its "
+              "queue growing within the target, so a goodput can exceed them.", "",
+              "| workload | replicas | reuse bound | capacity (req/s) | prefill capacity (req/s) "
+              "| best goodput / capacity |", "|---|---:|---:|---:|---:|---:|"]
+    for name, replicas in dict.fromkeys((r["workload"], r["replicas"]) for r in result["records"]):
+        at = [r for r in result["records"] if (r["workload"], r["replicas"]) == (name, replicas)]
+        bound = at[0].get("capacity")
+        if bound:
+            best = max(r["goodput_rps"] for r in at)
+            lines.append(f"| {name} | {replicas} | {bound['reuse_bound']:.3f} | "
+                         f"{bound['capacity_rps']:.1f} | {bound['prefill_capacity_rps']:.1f} | "
+                         f"{best / bound['capacity_rps']:.2f} |")
     lines += ["", "Verdicts:", ""] + [f"- {line}" for line in result["verdicts"]]
     fidelity = result.get("validation")
     if fidelity:
@@ -295,7 +355,12 @@ def main() -> None:
                         help="policies run only up to so many replicas (the Dynamo port's "
                         "decisions and events cost the simulator minutes a replay at 256)")
     parser.add_argument("--out", default=str(RESULTS / "routing_at_scale.json"))
+    parser.add_argument("--report", action="store_true",
+                        help="rewrite the results' capacities and report from --out, run nothing")
     args = parser.parse_args()
+    if args.report:
+        report(Path(args.out), args.trace)
+        return
     args.max_replicas = {k: int(v) for k, v in (item.split("=") for item in
                                                  filter(None, args.max_replicas.split(",")))}
 
@@ -318,13 +383,25 @@ def main() -> None:
     print(write(Path(args.out), params, args, targets, records, began))
 
 
+def report(out: Path, trace: str) -> None:
+    """The capacities and the report again from a results file (its own settings)."""
+    result = json.loads(out.read_text())
+    args = argparse.Namespace(**result["args"])
+    params = profiles.load(args.profile)
+    with_capacities(params, workload.read_trace(Path(trace)), result["records"], args)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result))
+    print(out.with_suffix(".md").read_text())
+
+
 def write(out: Path, params: EngineParams, args: argparse.Namespace, targets: dict[str, Any],
           records: list[dict[str, Any]], began: float) -> str:
     """The results so far (after each scale: a long run that stops keeps what it measured)."""
     import msgspec
 
+    with_capacities(params, workload.read_trace(Path(args.trace)), records, args)
     fidelity = RESULTS / "port_fidelity.json"
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "trace")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "trace", "report")}
     result = {"command": "python benchmarks/routing_at_scale.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in settings.items()
                   if k != "max_replicas") + " --max-replicas " + ",".join(

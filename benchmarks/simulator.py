@@ -43,18 +43,9 @@ def bound_hit_rate(requests: list, block_size: int) -> float:
     """Prompt tokens an infinite cache shared by every replica would serve: each request's
     longest prefix of blocks any earlier request had, as an engine counts it (at least one
     prompt token is computed)."""
-    seen: set[int] = set()
-    hits = total = 0
-    for r in sorted(requests, key=lambda r: r.arrival):
-        matched = 0
-        for h in r.block_hashes:
-            if h not in seen:
-                break
-            matched += 1
-        hits += min(matched, (r.prompt_tokens - 1) // block_size) * block_size
-        total += r.prompt_tokens
-        seen.update(r.block_hashes)
-    return hits / total if total else 0.0
+    pairs = workload.reusable_tokens(requests, block_size)
+    total = sum(r.prompt_tokens for r, _ in pairs)
+    return sum(cached for _, cached in pairs) / total if total else 0.0
 
 
 def scale_workload(params: profiles.EngineParams, rows: list[dict[str, Any]], replicas: int,

@@ -29,8 +29,15 @@ DECISION_SINK = "pools.registry:record_scale"  # where the autoscaler's decision
 # each replica; 0.3% of a core each here) is off, the few Serve calls record directly; and the
 # replica's code runs on Serve's own event loop rather than a thread of its own, one Python
 # thread fewer taking turns at the GIL with the request path (every call here is async).
+#
+# Ray starts worker processes at its daemons' niceness plus 15 (`worker_niceness`), so a replica,
+# its engine and the gateway would run at background priority beside the raylet, GCS and
+# dashboard (about 6% of a core here): on a busy node every daemon wakeup preempts a decode step
+# or a token relay. The request path runs at the daemons' priority instead, as Ray's own job
+# supervisor does for its driver.
 REPLICA_ENV = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "0",
-               "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+               "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+               "RAY_worker_niceness": "0"}
 
 
 def engine_spec(topology: Topology, pool: PoolSpec) -> EngineSpec:

@@ -99,12 +99,11 @@ class RouterSpec(_Strict):
         "hit for another), and each replica's estimated time to first token counts the "
         "measured load of an adapter it does not hold. ignore: routed as if every request ran "
         "on the base model (a baseline: what an adapter-blind router gets).")
-    max_in_flight: int = Field(
-        64, ge=1, description="A replica with this many requests in flight takes no more "
-        "requests while another replica has room, however much of the prompt it holds. The "
-        "default suits engines that batch tens of requests (CPU); on GPU set the engine's "
-        "max_num_seqs, or replicas holding a conversation's prefix are skipped at a small "
-        "share of what they can run.")
+    max_in_flight: int | None = Field(
+        None, ge=1, description="A replica with this many requests in flight takes no more "
+        "requests while another replica has room, however much of the prompt it holds. Unset: "
+        "each replica's engine max_num_seqs (a full batch), as the replica reports it, and 64 "
+        "until it has.")
     ttft_target_s: float | None = Field(
         None, ge=0, description="kv_aware: a replica whose estimated time to first token for "
         "the request exceeds this is not chosen while another's does not, however much of "

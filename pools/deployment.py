@@ -318,6 +318,7 @@ class PoolReplica:
             kv_events_endpoint=events.public if events else None,
             kv_replay_endpoint=events.replay if events else None,
             block_size=self._engine.block_size, kv_blocks=self._engine.kv_blocks,
+            max_num_seqs=self._engine.max_num_seqs,
             started_s=self._started,
             side_channel=f"{self._side_channel.host}:{self._side_channel.port}"
             if self._side_channel else None,

@@ -141,6 +141,7 @@ class Engine(Protocol):
 
     block_size: int  # the KV cache's block size in tokens, once started (0 before)
     kv_blocks: int  # the KV cache's capacity in blocks (each rank's), once started (0 before)
+    max_num_seqs: int  # requests one batch runs (each rank's), once started (0 before)
     dead: bool  # the engine failed and will not answer again
 
     async def start(self) -> None: ...

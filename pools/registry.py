@@ -55,6 +55,7 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     kv_replay_endpoint: str | None = None
     block_size: int = 0  # KV cache block size (0 until the engine has started)
     kv_blocks: int = 0  # KV cache capacity in blocks, of each data-parallel rank (0 until started)
+    max_num_seqs: int = 0  # requests one batch runs, in each data-parallel rank (0 until started)
     side_channel: str | None = None  # NIXL side channel host:port of prefill/decode engines
     started_s: float = 0.0
     engine_start_s: float = 0.0

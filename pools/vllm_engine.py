@@ -353,6 +353,7 @@ class VllmEngine:
         self._client_error: tuple[type[Exception], ...] = ()  # vLLM's, once started
         self.block_size = 0  # the KV cache block size, known once started
         self.kv_blocks = 0  # the KV cache's capacity in blocks, known once started
+        self.max_num_seqs = 0  # requests one batch runs (each rank's), known once started
         self._lora = VllmLora(spec.lora.max_cpu_loras, self._raise_if_dead) if spec.lora else None
         self.adapters = self._lora.slots if self._lora is not None else None
 
@@ -389,6 +390,7 @@ class VllmEngine:
         # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
         # (a routing target) has its own share
         self.kv_blocks = (vllm_config.cache_config.num_gpu_blocks or 0) // self.spec.data
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs  # per rank already
         args = Namespace(**(vars(frontend) | vars(engine_args)))
         state = State()
         tasks = await self._llm.get_supported_tasks()

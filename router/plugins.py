@@ -35,7 +35,7 @@ class Candidate(msgspec.Struct, frozen=True):
     What the request's LoRA adapter adds there before its prefill starts (0 for the base model;
     router/adapters.py): `adapter_load_s`, its load where the replica does not hold it, and
     `adapter_slot_s`, the wait for a batch slot where the replica runs as many other adapters
-    as a batch can.
+    as a batch can. `batch_slots` is the engine's max_num_seqs, as the replica reports it.
     """
 
     replica: ReplicaId
@@ -50,6 +50,7 @@ class Candidate(msgspec.Struct, frozen=True):
     cache_fill: float = 0.0
     adapter_load_s: float = 0.0
     adapter_slot_s: float = 0.0
+    batch_slots: int = 0  # requests one engine batch runs there (max_num_seqs; 0: not known)
 
     def uncached_tokens(self, request: RouteRequest) -> int:
         return max(0, request.prompt_tokens - self.cached_tokens)

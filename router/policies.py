@@ -143,11 +143,14 @@ class Policy:
 
 
 def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
-                 max_in_flight: int = 64, ttft_target_s: float = 0.0, tolerance: float = 0.05,
+                 max_in_flight: int | None = None, ttft_target_s: float = 0.0,
+                 tolerance: float = 0.05,
                  max_candidates: int = DEFAULT_MAX_CANDIDATES,
                  rng: random.Random | None = None) -> Policy:
-    """The policy called `name` in a topology file, with optional scorer weights. kv_aware
-    skips replicas estimated past `ttft_target_s` (0: no target) while others are not."""
+    """The policy called `name` in a topology file, with optional scorer weights. Score-based
+    policies skip replicas with `max_in_flight` requests in flight (None: each engine's
+    max_num_seqs); kv_aware also those estimated past `ttft_target_s` (0: no target), while
+    others are not."""
     if name not in DEFAULT_WEIGHTS:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(DEFAULT_WEIGHTS)}")
     rng = rng or random.Random()

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 from router.plugins import Candidate, RouteRequest
 
+DEFAULT_MAX_IN_FLIGHT = 64  # a replica's bound until it reports its engine's max_num_seqs
+
 
 class PrefixScorer:
     """Share of the prompt the replica holds, from the engine-fed block map.
@@ -163,19 +165,31 @@ class AdapterSlotFilter:
 
 
 class OverloadFilter:
-    """Drops replicas with `max_in_flight` or more requests in flight, so no prefix, however hot,
-    piles more onto a saturated replica; keeps everyone when all are saturated.
+    """Drops replicas with a full batch or more in flight, so no prefix, however hot, piles more
+    onto a saturated replica; keeps everyone when all are saturated. A full batch is
+    `max_in_flight` where set, else each replica's own `batch_slots` (its engine's
+    max_num_seqs), else `DEFAULT_MAX_IN_FLIGHT` until the replica has reported it.
+
+    A fixed bound below what the engine batches turns a replica away while it has room: at 64
+    in flight (a share of the 1,024 an H100 engine batches), the replica holding a
+    conversation's prefix was skipped and each turn recomputed elsewhere
+    (benchmarks/routing_at_scale.py).
 
     Example (max 8): in flight [8, 3] -> only the second remains; [8, 9] -> both remain.
+    No max, slots [256, 8]: in flight [100, 8] -> only the first remains.
     """
 
     name = "overload"
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int | None = None) -> None:
         self.max_in_flight = max_in_flight
 
+    def limit(self, batch_slots: int) -> int:
+        """The bound of a replica whose engine runs `batch_slots` a batch (0: not known)."""
+        return self.max_in_flight or batch_slots or DEFAULT_MAX_IN_FLIGHT
+
     def filter(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Candidate]:
-        kept = [c for c in candidates if c.in_flight < self.max_in_flight]
+        kept = [c for c in candidates if c.in_flight < self.limit(c.batch_slots)]
         return kept or list(candidates)
 
 

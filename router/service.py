@@ -180,14 +180,14 @@ class RoutingService:
     def _placeable(self, replicas: Iterable[ReplicaId]) -> list[ReplicaId]:
         """Those of `replicas` the policy could choose now (see `cached_tokens`)."""
         chosen = [r for r in replicas if r in self._views and self._breakers.allows(r)]
-        limit = next((f.max_in_flight for f in self.policy.filters
-                      if isinstance(f, OverloadFilter)), None)
-        if limit is None:
+        overload = next((f for f in self.policy.filters if isinstance(f, OverloadFilter)), None)
+        if overload is None:
             return chosen
 
         def full(replica: ReplicaId) -> bool:
+            view = self._views[replica]
             return max(self._tracker.in_flight(replica),
-                       self._views[replica].in_flight) >= limit
+                       view.in_flight) >= overload.limit(view.max_num_seqs)
 
         if all(full(r) for r in self._views):  # the filter keeps every replica then
             return chosen
@@ -265,6 +265,7 @@ class RoutingService:
                 approx_cached_tokens=min(approx.get(replica, 0) * block, prompt),
                 queued_prefill_tokens=queued,
                 in_flight=max(in_flight, view.in_flight if view else 0),
+                batch_slots=view.max_num_seqs if view else 0,
                 kv_usage=view.kv_usage if view else 0.0,
                 prefill_tokens_per_s=model.tokens_per_s,
                 in_flight_cost_tokens=model.in_flight_cost_tokens,

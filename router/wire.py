@@ -37,6 +37,7 @@ class ReplicaView(msgspec.Struct, frozen=True):
     kv_replay_endpoint: str | None = None
     block_size: int = 0  # 0 until the engine has started
     kv_blocks: int = 0  # KV cache capacity in blocks (0 until the engine has started)
+    max_num_seqs: int = 0  # requests one engine batch runs (0 until the engine has started)
     in_flight: int = 0
     waiting: int = 0
     kv_usage: float = 0.0

@@ -54,7 +54,7 @@ class SimCluster:
                  weights: Mapping[str, float] | None = None, seed: int = 0,
                  max_ongoing_requests: int = 256, event_lag_s: float = 0.002,
                  refresh_s: float = 1.0, max_index_entries: int | None = None,
-                 max_history_entries: int | None = None, max_in_flight: int = 64,
+                 max_history_entries: int | None = None, max_in_flight: int | None = None,
                  ttft_target_s: float = 0.0, pool: str = POOL,
                  prefix: str = "r", pull_s: PullTime | None = None,
                  on_pulled: Callable[[SimRequest], None] | None = None,
@@ -67,8 +67,7 @@ class SimCluster:
             self.baseline = build_baseline(policy, params.block_size, loop.clock,
                                            random.Random(seed))
             policy = "round_robin"  # the service then only counts requests in flight
-        # `router.max_in_flight`, whose default (64) suits CPU engines: a GPU engine batching
-        # hundreds of requests wants its own max_num_seqs there
+        # `router.max_in_flight` (None: each engine's max_num_seqs, as the views report it)
         self.policy = build_policy(policy, weights, max_in_flight=max_in_flight,
                                    ttft_target_s=ttft_target_s, rng=random.Random(seed))
         bounds = {"max_index_entries": max_index_entries,
@@ -250,7 +249,8 @@ class SimCluster:
         p = self.params
         self.service.set_replicas([
             ReplicaView(replica=r.name, pool=self.pool, block_size=p.block_size,
-                        kv_blocks=p.kv_blocks, in_flight=r.engine.load(),
+                        kv_blocks=p.kv_blocks, max_num_seqs=p.max_num_seqs,
+                        in_flight=r.engine.load(),
                         waiting=len(r.engine.waiting), kv_usage=r.engine.kv_usage())
             for r in self.replicas.values() if r.state == "ready"])
 

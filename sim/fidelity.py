@@ -63,7 +63,7 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, float]:
 
 def simulated_replay(params: EngineParams, policy: str, replicas: int,
                      rows: list[dict[str, Any]], rate: float, *, max_ids: int, namespace: int,
-                     output_tokens: int) -> dict[str, float]:
+                     output_tokens: int, ttft_target_s: float = 0.0) -> dict[str, float]:
     def make(index: int, start: float) -> list:
         return workload.requests(rows, rate, tokens_per_id=params.block_size,
                                  block_size=params.block_size,
@@ -71,17 +71,19 @@ def simulated_replay(params: EngineParams, policy: str, replicas: int,
                                  output_tokens=lambda row: output_tokens, start=start,
                                  exact_ids=True, namespace=namespace)
 
-    result = replay(params, policy, replicas, make)
+    result = replay(params, policy, replicas, make, ttft_target_s=ttft_target_s)
     return {m: result[m] for m in (*METRICS, *QUANTILES)}  # what fit_to_replay reads
 
 
 def check(base_url: str, model: str, words: list[str], *, policy: str, replicas: int,
           block_size: int, kv_blocks: int, max_model_len: int, window: list[dict[str, Any]],
           calibration: list[dict[str, Any]], rate: float, output_tokens: int = 8,
-          repeats: int = 1, max_ids: int | None = None) -> dict[str, Any]:
+          repeats: int = 1, max_ids: int | None = None,
+          ttft_target_s: float = 0.0) -> dict[str, Any]:
     """Calibrate on the deployment at `base_url` (its /v1), then the window, real and simulated:
     {"sim": {...}, "real": {...}, "profile": EngineParams}. Prompts keep at most `max_ids` hash
-    ids (as many as the context holds by default)."""
+    ids (as many as the context holds by default). The simulated router has the deployment's
+    TTFT target, `ttft_target_s`."""
     max_ids = max_ids or (max_model_len - output_tokens - 1) // block_size
     probed, _, _ = calibrate(base_url, model, words, block_size=block_size, kv_blocks=kv_blocks,
                              max_num_batched_tokens=2048, max_num_seqs=128,
@@ -90,9 +92,11 @@ def check(base_url: str, model: str, words: list[str], *, policy: str, replicas:
     shared = {"max_ids": max_ids, "output_tokens": output_tokens}
     measured = real_replay(base_url, model, words, calibration, rate, block_size=block_size,
                            namespace=1, **shared)
+    target = {"ttft_target_s": ttft_target_s}
     params, _, _ = fit_to_replay(probed, [(lambda p: simulated_replay(
-        p, policy, replicas, calibration, rate, namespace=1, **shared), measured)])
+        p, policy, replicas, calibration, rate, namespace=1, **shared, **target), measured)])
     real = real_replay(base_url, model, words, window, rate, block_size=block_size,
                        namespace=2, **shared)
-    sim = simulated_replay(params, policy, replicas, window, rate, namespace=2, **shared)
+    sim = simulated_replay(params, policy, replicas, window, rate, namespace=2, **shared,
+                           **target)
     return {"sim": sim, "real": real, "profile": params}

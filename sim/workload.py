@@ -107,3 +107,23 @@ def tile(rows: list[Row], copies: int, seed: int = 0) -> list[Row]:
                               "hash_ids": [h + copy * stride for h in row["hash_ids"]]})
     out.sort(key=lambda row: row["timestamp"])
     return out
+
+
+def reusable_tokens(requests: list[SimRequest], block_size: int) -> list[tuple[SimRequest, int]]:
+    """Each request, in order of arrival, with the prompt tokens an infinite cache shared by every
+    replica would serve it: its longest prefix of blocks any earlier request had, as an engine
+    counts it (at least one prompt token is computed).
+
+    Example (block 16): a 64-token prompt of blocks [1, 2, 3, 4], then the same prompt, then one
+    of [1, 2, 9] -> 0, 48 (its last block is recomputed) and 32 tokens."""
+    seen: set[int] = set()
+    out = []
+    for request in sorted(requests, key=lambda r: r.arrival):
+        matched = 0
+        for block in request.block_hashes:
+            if block not in seen:
+                break
+            matched += 1
+        out.append((request, min(matched, (request.prompt_tokens - 1) // block_size) * block_size))
+        seen.update(request.block_hashes)
+    return out

@@ -56,7 +56,8 @@ def _view(report: ReplicaReport, target: ReplicaId, load: LoadSnapshot, events: 
     return ReplicaView(
         replica=target, pool=report.pool, state=report.state,
         kv_events_endpoint=events, kv_replay_endpoint=replay,
-        block_size=report.block_size, kv_blocks=report.kv_blocks, in_flight=load.in_flight,
+        block_size=report.block_size, kv_blocks=report.kv_blocks,
+        max_num_seqs=report.max_num_seqs, in_flight=load.in_flight,
         waiting=load.waiting,
         kv_usage=load.kv_cache_usage, engine_cached_tokens=load.prompt_tokens_local_hit,
         engine_prompt_tokens=load.prompt_tokens_computed + load.prompt_tokens_local_hit

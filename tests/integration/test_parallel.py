@@ -85,6 +85,7 @@ def test_dp_replica_serves_outputs_equal_to_the_bare_engine(dp: Topology,
     # 2 KV heads x 64 dims x float32); vLLM's front end reports both ranks' together
     [report] = _get(root, "/tokenfab/replicas")
     assert report["kv_blocks"] == (64 << 20) // (BLOCK * 4096) == 128
+    assert report["max_num_seqs"] == 24  # each rank's batch, as the engine was configured
     routed = _get(root, "/tokenfab/router")["pools"]["main"]["replicas"]
     assert sorted(routed) == [f"{replica}/dp0", f"{replica}/dp1"]  # the router's targets
 

@@ -231,6 +231,19 @@ def test_status_shows_healthy_replicas_on_their_own_cores(deployment: Deployment
     assert table.count("healthy") == 2 and "POOL" in table
 
 
+def test_the_request_path_runs_at_the_raylets_priority(deployment: Deployment) -> None:
+    """Not at Ray's worker niceness (15 more): each replica, and its engine's processes, at the
+    nice of the raylet that started it."""
+    import psutil
+
+    for report in _gateway(deployment, "/tokenfab/replicas"):
+        replica = psutil.Process(report["pid"])
+        raylet = next(p for p in replica.parents() if p.name() == "raylet")
+        engine = replica.children(recursive=True)
+        assert engine, "the engine core runs in a process of its own"
+        assert {p.nice() for p in [replica, *engine]} == {raylet.nice()}, report["replica_id"]
+
+
 def test_replicas_report_engine_load(deployment: Deployment, http: httpx.Client) -> None:
     prompt = "load stats " + "paper garden " * 150
     for _ in range(8):  # until a replica serves the prompt a second time, from its prefix cache
@@ -430,7 +443,8 @@ def test_simulator_reproduces_this_deployment(deployment: Deployment) -> None:
     result = fidelity.check(deployment.base_url, MODEL, words, policy="kv_aware",
                             replicas=len(reports), block_size=block_size, kv_blocks=kv_blocks,
                             max_model_len=topology.model.max_model_len, window=window,
-                            calibration=calibration, rate=3.0, max_ids=8)
+                            calibration=calibration, rate=3.0, max_ids=8,
+                            ttft_target_s=topology.targets(topology.pools[0]).ttft_p90_s)
     sim, real = result["sim"], result["real"]
     errors = {m: (sim[m] - real[m]) / real[m] for m in fidelity.METRICS}
     assert real["hit_rate"] > 0.3, (sim, real)  # the window's prefixes were reused (bound 0.63)

@@ -110,3 +110,29 @@ def test_port_agreement_takes_the_better_pairing_of_the_engines(real, sim, expec
     from port_fidelity import agreement
 
     assert agreement(real, sim) == expected
+
+
+def test_capacity_counts_each_request_at_the_reuse_bound_and_the_work_spread_perfectly():
+    """Two 64-token prompts of the same 4 blocks of 16, at 1 ms a token: the first computes 64
+    tokens, the second its last block (a prompt held whole still computes one token, so the
+    engine computes that block), then 2 decode steps each at 1 ms + 0.5 ms a request in it."""
+    from routing_at_scale import capacity, engine_seconds
+    from sim.engine import SimRequest
+    from sim.params import EngineParams
+    from sim.workload import reusable_tokens
+
+    params = EngineParams(name="t", block_size=16, kv_blocks=64, max_num_batched_tokens=64,
+                          max_num_seqs=8, max_model_len=256, step_base_s=0.010,
+                          per_token_s=0.001, per_seq_s=0.0005)
+    assert engine_seconds(params, 64, 0, 3) == pytest.approx((0.0645, 0.0675))
+    assert engine_seconds(params, 64, 48, 3) == pytest.approx((0.0165, 0.0195))
+    requests = [SimRequest(request_id=str(i), arrival=float(i), prompt_tokens=64,
+                           block_hashes=[1, 2, 3, 4], output_tokens=3) for i in range(2)]
+    bound = capacity(params, requests, replicas=4)
+    assert bound["reuse_bound"] == 48 / 128
+    assert bound["capacity_rps"] == pytest.approx(4 * 2 / (0.0675 + 0.0195))
+    assert bound["prefill_capacity_rps"] == pytest.approx(4 * 2 / (0.0645 + 0.0165))
+    # reusable_tokens' docstring example, in order of arrival whatever the list's order
+    third = SimRequest(request_id="2", arrival=2.0, prompt_tokens=48, block_hashes=[1, 2, 9],
+                       output_tokens=1)
+    assert [cached for _, cached in reusable_tokens([third, *requests], 16)] == [0, 48, 32]

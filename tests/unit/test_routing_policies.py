@@ -88,6 +88,21 @@ def test_overload_filter(in_flight, kept) -> None:
     assert [c.replica for c in OverloadFilter(8).filter(REQ, candidates)] == kept
 
 
+@pytest.mark.parametrize(("in_flight", "slots", "kept"), [
+    ([100, 8], [256, 8], ["a"]),  # the docstring's example: each replica's own batch
+    ([100, 8], [256, 0], ["a", "b"]),  # b has not reported it: 64
+    ([64, 8], [0, 16], ["b"]),
+    ([256, 8], [256, 8], ["a", "b"]),  # all full: both remain
+])
+def test_overload_filter_without_a_bound_reads_each_engines_batch(in_flight, slots,
+                                                                  kept) -> None:
+    candidates = [cand(name, in_flight=n, batch_slots=s)
+                  for name, n, s in zip("ab", in_flight, slots)]
+    assert [c.replica for c in OverloadFilter().filter(REQ, candidates)] == kept
+    fixed = OverloadFilter(300).filter(REQ, candidates)  # a set bound overrides the engines'
+    assert [c.replica for c in fixed] == ["a", "b"]
+
+
 @pytest.mark.parametrize(("queued", "kept"), [
     # estimates at 4,000 tokens/s with the prompt uncached: (queued + 2,048) / 4,000
     ([100, 0], ["a", "b"]),  # 0.537 and 0.512 s, both within 0.6 s

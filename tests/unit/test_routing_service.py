@@ -276,6 +276,42 @@ def test_unscored_fallbacks_come_before_replicas_the_overload_filter_dropped() -
     assert ranked[-1] == pool[0] and sorted(ranked) == sorted(pool)
 
 
+def test_without_a_fixed_bound_each_replica_is_full_at_its_engines_batch() -> None:
+    """router.max_in_flight unset: a replica reporting max_num_seqs 3 is passed over at 3 in
+    flight, however much it holds, and one reporting 256 keeps its prefix's requests at 100;
+    one that has not reported yet is full at 64. (Ranked by the prefix alone, so that only the
+    filter turns a holder away.)"""
+    from router.events import NO_TOKENS, BlockStored, KVEventBatch
+
+    small, large, unknown, idle = (ReplicaId(n) for n in ("small", "large", "unknown", "idle"))
+    policy = build_policy("kv_aware", {"prefix": 1.0}, rng=random.Random(0))
+    service = RoutingService("main", policy, PrefixBlockHasher, follow_events=True)
+    service.set_replicas([ReplicaView(replica=r, pool="main", block_size=BLOCK, kv_blocks=1000,
+                                      max_num_seqs=slots)
+                          for r, slots in ((small, 3), (large, 256), (unknown, 0), (idle, 8))])
+    for serial, replica in enumerate((small, large, unknown)):
+        hashes = [10 * serial + i for i in range(1, 5)]
+        service.apply_events(replica, KVEventBatch(0.0, [BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=NO_TOKENS, block_size=BLOCK,
+            lora_id=None, medium="GPU", lora_name=None)]))
+
+    def kept(serial: int, load: int) -> bool:
+        """Whether the holder of the prompt is chosen with `load` requests in flight there."""
+        replica = (small, large, unknown)[serial]
+        for i in range(load):
+            service.dispatched(RouteKey(f"{replica}-{i}", BLOCK, BLOCK, [99]), replica)
+            service.first_token(f"{replica}-{i}")
+        key = RouteKey(f"q{serial}-{load}", 4 * BLOCK + 1, BLOCK,
+                       [10 * serial + i for i in range(1, 5)])
+        chosen = service.rank(key, [small, large, unknown, idle])[0]
+        for i in range(load):
+            service.finished(f"{replica}-{i}")
+        return chosen == replica
+
+    assert (kept(0, 2), kept(0, 3)) == (True, False)
+    assert (kept(1, 100), kept(2, 63), kept(2, 64)) == (True, True, False)
+
+
 def test_cached_tokens_count_a_replica_the_request_can_go_to() -> None:
     """What decode holds, for the P/D gateway's skip: the block map's longest prefix on a
     replica the policy could choose now (not one its overload filter or breaker drops), less the
