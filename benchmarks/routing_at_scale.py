@@ -151,7 +151,7 @@ def engine_seconds(params: EngineParams, prompt: int, cached: int, output: int
     over a context one longer each time."""
     p, new = params, prompt - cached
     prefill = (p.per_token_s * new + p.per_seq_s + p.per_kv_token_s * prompt
-               + p.per_attn_pair_s * new * (prompt - new + new / 2))
+               + p.per_attn_pair_s * new * (cached + new / 2))
     steps = output - 1
     context = steps * prompt + steps * (steps + 1) / 2  # summed over the decode steps
     decode = (steps * (p.per_token_s + p.per_seq_s) + p.per_kv_token_s * context
@@ -246,8 +246,8 @@ def verdicts(records: list[dict[str, Any]]) -> list[str]:
     """kv_aware's goodput against the best ported baseline's, per workload and scale (target
     1.3x at 64 replicas and more)."""
     lines = []
-    for name, replicas in dict.fromkeys((r["workload"], r["replicas"]) for r in records):
-        at = {r["policy"]: r for r in records if (r["workload"], r["replicas"]) == (name, replicas)}
+    for name, replicas, records_at in scales(records):
+        at = {r["policy"]: r for r in records_at}
         ported = [at[p] for p in BASELINES if p in at]
         if "kv_aware" not in at or not ported:
             continue
@@ -262,12 +262,18 @@ def verdicts(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def scales(records: list[dict[str, Any]]) -> list[tuple[str, int, list[dict[str, Any]]]]:
+    """(workload, replicas, its records) in the order first seen."""
+    keys = dict.fromkeys((r["workload"], r["replicas"]) for r in records)
+    return [(name, replicas, [r for r in records if (r["workload"], r["replicas"]) ==
+                              (name, replicas)]) for name, replicas in keys]
+
+
 def with_capacities(params: EngineParams, base: list[dict[str, Any]],
                     records: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Each record gets the capacity of its (workload, replicas) on the window at its best
     policy's goodput."""
-    for name, replicas in dict.fromkeys((r["workload"], r["replicas"]) for r in records):
-        at = [r for r in records if (r["workload"], r["replicas"]) == (name, replicas)]
+    for name, replicas, at in scales(records):
         rate = max(r["goodput_rps"] for r in at)
         bound = capacity(params, build(params, make_rows(name, base, replicas, rate, args),
                                        rate, args), replicas)
@@ -314,8 +320,7 @@ def markdown(result: dict[str, Any]) -> str:
               "queue growing within the target, so a goodput can exceed them.", "",
               "| workload | replicas | reuse bound | capacity (req/s) | prefill capacity (req/s) "
               "| best goodput / capacity |", "|---|---:|---:|---:|---:|---:|"]
-    for name, replicas in dict.fromkeys((r["workload"], r["replicas"]) for r in result["records"]):
-        at = [r for r in result["records"] if (r["workload"], r["replicas"]) == (name, replicas)]
+    for name, replicas, at in scales(result["records"]):
         bound = at[0].get("capacity")
         if bound:
             best = max(r["goodput_rps"] for r in at)

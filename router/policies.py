@@ -51,6 +51,8 @@ class Policy:
         if unknown:
             raise ValueError(f"unknown scorer(s) {unknown}; known: {sorted(SCORERS)}")
         self.name, self.filters, self.picker = name, list(filters), picker
+        # whether a filter reads the estimated TTFT (so the map's cached tokens and the model)
+        self._estimates = any(step.name in _MODEL_FILTERS for step in self.filters)
         self.max_candidates, self._rng = max_candidates, rng or random.Random()
         self.weights = {scorer: weight for scorer, weight in weights.items() if weight}
         args = scorer_args or {}
@@ -60,11 +62,6 @@ class Policy:
     def uses_prefixes(self) -> bool:
         """Whether ranking reads the request's block hashes (else no prompt is hashed)."""
         return bool(_PREFIX_SCORERS & set(self.weights)) or self._estimates
-
-    @property
-    def _estimates(self) -> bool:
-        """Whether a filter reads the estimated TTFT (the map's cached tokens and the model)."""
-        return any(step.name in _MODEL_FILTERS for step in self.filters)
 
     @property
     def reads_candidates(self) -> bool:

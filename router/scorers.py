@@ -206,15 +206,7 @@ class TTFTTargetFilter:
     prefix elsewhere is the cheaper miss for the request.
 
     Not always for the pool: near its capacity each recompute is work added and blocks evicted
-    elsewhere, which makes more requests late. On the Mooncake trace at 256 replicas and 810
-    req/s (above what the pool sustains), the filter cut the hit rate from 0.54 to 0.42 and
-    doubled TTFT p90 (5.2 to 10.6 s), so kv_aware's goodput there fell to sglang-router's
-    port's. Two gates were tried in the same replays. Acting only while more than 5% of recent
-    first tokens were late kept neither (hit rate 0.42, p90 9.0 s). Acting only where some
-    replica's estimated delay (Candidate.estimated_delay_s) is within the target kept the hit
-    rate (0.535, p90 5.2 s) but gave up a fifth of the sessions' goodput (67.5 and 224 req/s
-    at 16 and 64 replicas, against 81 and 280). The gate that tells a hot spot from a
-    saturated pool is open work.
+    elsewhere (router/README.md, "What the target costs a saturated pool").
 
     Example (target 0.5 s): estimates [0.54, 0.13] -> only the second remains; [0.6, 0.7] ->
     both remain.

@@ -52,11 +52,11 @@ DRAIN_TIMEOUT_S = 60.0
 def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
                     credentials: EventCredentials | None = None) -> RoutingService:
     spec = topology.router
-    target = spec.ttft_target_s
+    target = topology.targets(pool).ttft_p90_s if spec.ttft_target_s is None \
+        else spec.ttft_target_s
     policy = build_policy(routing_policy(topology, pool), spec.weights,
-                          max_in_flight=spec.max_in_flight,
-                          ttft_target_s=topology.targets(pool).ttft_p90_s if target is None
-                          else target, tolerance=spec.tie_tolerance,
+                          max_in_flight=spec.max_in_flight, ttft_target_s=target,
+                          tolerance=spec.tie_tolerance,
                           max_candidates=spec.max_candidates)
     hash_algo = str(topology.engine_args.get("prefix_caching_hash_algo", "sha256"))
 

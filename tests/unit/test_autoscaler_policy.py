@@ -352,30 +352,3 @@ def test_pools_override_the_topologys_targets() -> None:
             {**topology.pools[0].model_dump(), "autoscaling": {"target_ongoing_requests": 0}},
             topology.pools[1].model_dump()]})
 
-
-def test_kv_aware_routes_within_each_pools_ttft_target() -> None:
-    """The router's TTFT target is the pool's own, the topology's, `router.ttft_target_s` when
-    set, and none at 0."""
-    from prometheus_client import CollectorRegistry
-
-    from orchestrator.config import Topology
-    from orchestrator.gateway.ingress import routing_service
-    from router.metrics import RouterMetrics
-
-    def targets(router: dict) -> dict[str, list[float]]:
-        topology = Topology.model_validate({
-            "name": "pd", "model": {"name": "m", "path": "/m"}, "router": router,
-            "pools": [{"name": "prefill", "role": "prefill", "min_replicas": 1,
-                       "max_replicas": 4, "resources": {"gpus": 1},
-                       "autoscaling": {"ttft_p90_s": 0.5}},
-                      {"name": "decode", "role": "decode", "min_replicas": 1, "max_replicas": 4,
-                       "resources": {"gpus": 1}}],
-            "autoscaler": {"ttft_p90_s": 1.0}})
-        metrics = RouterMetrics(CollectorRegistry())
-        return {pool.name: [f.target_s for f in routing_service(topology, pool, metrics)
-                            .policy.filters if f.name == "ttft_target"]
-                for pool in topology.pools}
-
-    assert targets({}) == {"prefill": [0.5], "decode": [1.0]}
-    assert targets({"ttft_target_s": 3}) == {"prefill": [3.0], "decode": [3.0]}
-    assert targets({"ttft_target_s": 0}) == {"prefill": [], "decode": []}

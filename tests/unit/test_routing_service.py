@@ -395,3 +395,31 @@ def test_the_delay_score_reads_each_replicas_fitted_ttft_model() -> None:
     explained = {c["replica"]: c["estimated_delay_s"] for c in service.explain(NEW)["candidates"]}
     assert explained[A] < explained[B]
     assert service.rank(NEW, [A, B])[0] == A
+
+
+def test_kv_aware_routes_within_each_pools_ttft_target() -> None:
+    """The router's TTFT target is the pool's own, the topology's, `router.ttft_target_s` when
+    set, and none at 0."""
+    from prometheus_client import CollectorRegistry
+
+    from orchestrator.config import Topology
+    from orchestrator.gateway.ingress import routing_service
+    from router.metrics import RouterMetrics
+
+    def targets(router: dict) -> dict[str, list[float]]:
+        topology = Topology.model_validate({
+            "name": "pd", "model": {"name": "m", "path": "/m"}, "router": router,
+            "pools": [{"name": "prefill", "role": "prefill", "min_replicas": 1,
+                       "max_replicas": 4, "resources": {"gpus": 1},
+                       "autoscaling": {"ttft_p90_s": 0.5}},
+                      {"name": "decode", "role": "decode", "min_replicas": 1, "max_replicas": 4,
+                       "resources": {"gpus": 1}}],
+            "autoscaler": {"ttft_p90_s": 1.0}})
+        metrics = RouterMetrics(CollectorRegistry())
+        return {pool.name: [f.target_s for f in routing_service(topology, pool, metrics)
+                            .policy.filters if f.name == "ttft_target"]
+                for pool in topology.pools}
+
+    assert targets({}) == {"prefill": [0.5], "decode": [1.0]}
+    assert targets({"ttft_target_s": 3}) == {"prefill": [3.0], "decode": [3.0]}
+    assert targets({"ttft_target_s": 0}) == {"prefill": [], "decode": []}
