@@ -69,6 +69,14 @@ def schema() -> None:
     click.echo(json.dumps(topology_schema(), indent=2))
 
 
+@main.command("topology-reference")
+def topology_reference() -> None:
+    """Print the topology file reference in Markdown (docs/topology-reference.md)."""
+    from orchestrator.topology_reference import render
+
+    click.echo(render(), nl=False)
+
+
 @main.command("chart-schema")
 def chart_schema() -> None:
     """Print the JSON Schema of the Helm chart's values (deploy/helm/tokenfab/values.schema.json)."""
