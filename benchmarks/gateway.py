@@ -247,7 +247,7 @@ class Tokenfab:
 class VllmServer:
     """vLLM's own OpenAI server before the same engine settings, on the same core. Its engine
     statistics stay on (vLLM's default), as in the baseline and in tokenfab's replicas, which
-    export them: each engine step records them in all three (until session 48 this server ran
+    export them: each engine step records them in all three (until commit 9b33cf4 this server ran
     with `--disable-log-stats`, the one of the three that did not)."""
 
     def __init__(self) -> None:

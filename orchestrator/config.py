@@ -129,7 +129,7 @@ class RouterSpec(_Strict):
         "prefixes this router sent (approx_prefix: kv_aware, prefix_approx), per pool, in each "
         "ingress replica; every 4th block of a prompt is kept, and the blocks sent least "
         "recently are forgotten first. About 170 bytes each. At 1,024 replicas and 768 req/s "
-        "of long prompts, the default bound lost reuse (see the README's At scale).")
+        "of long prompts, the default bound lost reuse (see docs/simulator.md).")
     breaker_failures: int = Field(
         3, ge=1, description="A replica whose requests fail this many times (before they are "
         "answered) within breaker_window_s is not chosen for breaker_open_s (its circuit breaker "

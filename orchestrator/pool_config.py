@@ -105,7 +105,7 @@ class ParallelSpec(_Strict):
     Each of the `data` ranks runs its own copy of attention with its own KV cache, and the router
     places each request on a (replica, rank); `tensor` splits every rank's layers; `expert`
     shards a mixture-of-experts model's experts across all `tensor` x `data` ranks (vLLM's
-    expert parallelism, an all-to-all every step). See README "Mixture of experts".
+    expert parallelism, an all-to-all every step). See docs/moe-dp.md.
     """
 
     tensor: int = Field(1, ge=1, description="Tensor-parallel ranks of each data-parallel rank.")

@@ -10,7 +10,7 @@ The replica also tells every gateway, over the data channel and as soon as they 
 adapters its engine holds and the requests in flight per adapter (`AdapterBoard`): a gateway
 that counted only its own requests, or read reports a second old, sent requests to replicas
 whose batch slots other gateways' requests had taken, or that had long freed them
-(benchmarks/results/lora-notes.md).
+(docs/analysis/lora-notes.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Two things delay a request for adapter A on a replica, besides the queue every r
   the replica's own (its ADAPTERS frames count every gateway's requests, a few milliseconds
   late; this router's count has its latest dispatches at once). Counts a second old, as the
   registry's reports would give, sent requests away from replicas whose slots had long freed
-  (benchmarks/results/lora-notes.md).
+  (docs/analysis/lora-notes.md).
 """
 
 from __future__ import annotations

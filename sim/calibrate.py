@@ -290,7 +290,7 @@ def fit_to_replay(params: EngineParams,
     The p99 is the longest prompts, computed whole: it weighs the scale of the law's per-token
     terms, which p50 (short, cached prompts: mostly overhead) and p90 alone let trade against
     the overhead (a scale that met a calibration replay's p90 overstated the replay's and the
-    window's longest prompts by 15% and 13%; sim_fidelity-notes.md, session 55).
+    window's longest prompts by 15% and 13%; sim_fidelity-notes.md, commit f1c38b0).
 
     What the request path adds grows with the load on a machine whose cores it shares; one
     constant overhead fitted across loads is too high at the low one and too low at the high

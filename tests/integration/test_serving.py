@@ -450,7 +450,7 @@ def test_simulator_reproduces_this_deployment(deployment: Deployment) -> None:
     assert real["hit_rate"] > 0.3, (sim, real)  # the window's prefixes were reused (bound 0.63)
     assert abs(errors["hit_rate"]) <= 0.15, (errors, sim, real)
     # TTFT p50 within a factor of 3, a guard against a broken model, not the issue's +-15%: the
-    # full benchmark does not meet that on this machine (README "At scale"), and here the real
+    # full benchmark does not meet that on this machine (docs/simulator.md), and here the real
     # p90 swung from 0.3 to 1.2 s between two runs of this test
     ratio = sim["ttft_p50_s"] / real["ttft_p50_s"]
     assert 1 / 3 <= ratio <= 3, (errors, sim, real)

@@ -191,7 +191,7 @@ def test_what_a_policy_reads(name, weights, blocks, events, model) -> None:
     # a hot prefix on a replica at max_in_flight goes elsewhere, however much is cached there
     ("kv_aware", [cand("a", cached_tokens=2048, in_flight=64), cand("b", queued_prefill_tokens=9000)], B),
     # kv_aware keeps a conversation where it went unless that replica is about 2x slower (the
-    # README's example): a's estimate 0.9 s vs 0.5 s -> a; 3 s vs 0.5 s -> b
+    # example in router/README.md): a's estimate 0.9 s vs 0.5 s -> a; 3 s vs 0.5 s -> b
     ("kv_aware", [cand("a", cached_tokens=1536, approx_cached_tokens=1536,
                        queued_prefill_tokens=3088), cand("b")], A),
     ("kv_aware", [cand("a", cached_tokens=1536, approx_cached_tokens=1536,
