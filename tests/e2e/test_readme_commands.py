@@ -74,3 +74,34 @@ def test_main_job_serves_until_ctrl_c(pytestconfig) -> None:
     assert process.returncode == 0, output
     assert "removed application local" in output and "stopped Ray" in output
     assert leftover_processes() == []
+
+
+def readme_block(heading: str) -> list[str]:
+    """The commands of the first bash block under `heading` in the README, comments dropped."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(f"\n{heading}\n"):]
+    block = section[section.index("```bash\n") + 8:]
+    block = block[:block.index("```")]
+    return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_using_it_runs_as_written(pytestconfig) -> None:
+    pytestconfig._tokenfab_cluster_used = True
+    commands = readme_block("## Using it")
+    assert commands[0].startswith(".venv/bin/tokenfab validate") and len(commands) >= 5
+    outputs: dict[str, str] = {}
+    try:
+        for command in commands:
+            result = subprocess.run(command, shell=True, cwd=ROOT, env=ENV, text=True,
+                                    capture_output=True, timeout=600)
+            outputs[command] = result.stdout + result.stderr
+            assert result.returncode == 0, f"$ {command}\n{outputs[command]}"
+    finally:
+        if len(outputs) < len(commands) or any("tokenfab up" in c for c in outputs) and \
+                not any("--stop-ray" in c for c in outputs):
+            subprocess.run(".venv/bin/tokenfab down --stop-ray", shell=True, cwd=ROOT, env=ENV,
+                           capture_output=True, timeout=300)
+    assert outputs[commands[0]].strip() == "ok"
+    status = next(out for command, out in outputs.items() if command.endswith("tokenfab status"))
+    assert "main" in status and "healthy" in status.lower(), status
+    assert leftover_processes() == []
