@@ -119,7 +119,7 @@ class ReplicaLink(asyncio.Protocol):
         self._challenge = loop.create_future()
         try:
             nonce = await asyncio.wait_for(self._connected(loop), timeout_s)
-        except (OSError, asyncio.TimeoutError, LinkLost) as exc:
+        except (TimeoutError, OSError, LinkLost) as exc:
             if not self._challenge.done():
                 self._challenge.cancel()  # nobody waits for it any more
             self.close()

@@ -92,7 +92,8 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
 
 def autoscaling_config(topology: Topology, pool: PoolSpec) -> dict[str, Any]:
     """Serve's autoscaling for a pool: tokenfab's policy (autoscaler.serve_policy) with the
-    topology's targets (and the pool's own). Serve's own delays are off: the policy keeps its own."""
+    topology's targets (and the pool's own). Serve's own delays are off: the policy keeps its
+    own."""
     spec = topology.targets(pool)
     if spec.policy == "ray_requests":  # Serve's own delays and formula, on our request counts
         return {"min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,

@@ -84,8 +84,9 @@ async def _check_listening(channel: SideChannel, timeout_s: float = 5.0) -> None
         try:
             _, writer = await asyncio.wait_for(
                 asyncio.open_connection(channel.host, port), timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise EngineError(f"NIXL side channel {channel.host}:{port} unreachable: {exc}") from exc
+        except (TimeoutError, OSError) as exc:
+            raise EngineError(f"NIXL side channel {channel.host}:{port} unreachable: "
+                              f"{exc}") from exc
         writer.close()
 
 

@@ -48,7 +48,8 @@ class ReplyHead(msgspec.Struct, frozen=True):
     """First item of every reply stream: the HTTP status and whether SSE chunks follow.
 
     After a head with `streaming=False` exactly one item follows: the JSON body (a response object
-    or an OpenAI error object). After `streaming=True`, each item is one SSE event, `data: ...\\n\\n`.
+    or an OpenAI error object). After `streaming=True`, each item is one SSE event,
+    `data: ...\\n\\n`.
     """
 
     status: int
@@ -124,7 +125,9 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 class Engine(Protocol):

@@ -1,9 +1,9 @@
 """Counts a request's prompt tokens the way the engine will see them (same tokenizer and template).
 
-Used outside the engines, where a decision depends on prompt length (admission limits, prefill/decode
-disaggregation, prefix-aware routing). Every prompt shape the OpenAI API accepts is counted; a body
-whose prompt cannot be read raises `PromptError`, naming the field, so a caller can refuse it
-instead of admitting it uncounted.
+Used outside the engines, where a decision depends on prompt length (admission limits,
+prefill/decode disaggregation, prefix-aware routing). Every prompt shape the OpenAI API accepts
+is counted; a body whose prompt cannot be read raises `PromptError`, naming the field, so a
+caller can refuse it instead of admitting it uncounted.
 """
 
 from __future__ import annotations

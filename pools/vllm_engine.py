@@ -120,7 +120,8 @@ class _LoadRecorder:
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 pass
 
-            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any,
+                       **kw: Any) -> None:
                 if scheduler_stats is not None:
                     recorder.update(scheduler_stats, engine_index)
                 if iteration_stats is not None:
@@ -395,7 +396,8 @@ class VllmEngine:
         state = State()
         tasks = await self._llm.get_supported_tasks()
         await init_app_state(self._llm, state, args, supported_tasks=tasks)
-        self._serving = {"completions": state.openai_serving_completion, "chat": state.openai_serving_chat}
+        self._serving = {"completions": state.openai_serving_completion,
+                         "chat": state.openai_serving_chat}
         if self._lora is not None:
             self._lora.attach(self._llm, state.openai_serving_models, ErrorResponse)
         self._requests = {"completions": CompletionRequest, "chat": Chat}
@@ -405,7 +407,8 @@ class VllmEngine:
     async def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
                     rank: int | None = None, adapter: AdapterRef | None = None
                     ) -> AsyncIterator[ReplyHead | bytes]:
-        if rank is not None and not 0 <= rank < self.spec.data:  # a router's mistake, not the client's
+        # a rank that does not exist is a router's mistake, not the client's
+        if rank is not None and not 0 <= rank < self.spec.data:
             raise EngineError(f"data-parallel rank {rank} does not exist: the engine has "
                               f"{self.spec.data}")
         if adapter is not None:
@@ -437,7 +440,8 @@ class VllmEngine:
         serving = self._serving[endpoint]
         _TRACE.set(trace)
         _RANK.set(rank)
-        create = serving.create_completion if endpoint == "completions" else serving.create_chat_completion
+        create = serving.create_completion if endpoint == "completions" \
+            else serving.create_chat_completion
         try:
             result = await create(request, raw_request=None)
         except Exception as exc:  # vLLM raises request errors; it maps them to status codes itself

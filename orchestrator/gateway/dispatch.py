@@ -138,7 +138,7 @@ class ReplicaDirectory:
             self._poked.clear()
             try:
                 await asyncio.wait_for(self._poked.wait(), self._refresh_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -345,7 +345,7 @@ class PoolDispatcher:
         self._report_held()
         try:
             await asyncio.wait_for(asyncio.shield(self._changed), min(remaining, HOLD_RECHECK_S))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             self._held -= 1
@@ -384,7 +384,7 @@ async def _head(stream: ReplyStream, deadline: float) -> Head | Refused | None:
     """The stream's head; None if the replica went away before answering (try another)."""
     try:
         return await asyncio.wait_for(stream.head, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         stream.cancel()
         raise GatewayError(504, "no reply from the engine within the request deadline") from exc
     except LinkLost:

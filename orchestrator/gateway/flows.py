@@ -235,7 +235,7 @@ async def _whole(stream: ReplyStream, deadline: float) -> None:
     """Wait for the end of a whole reply (its head came), within the deadline."""
     try:
         await asyncio.wait_for(stream.end, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         stream.cancel()
         raise GatewayError(504, "prefill leg timed out") from exc
     except (LinkLost, ReplyFailed) as exc:

@@ -98,10 +98,11 @@ async def _end(stream: ReplyStream, timeout_s: float, clock: TokenClock | None =
                 raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s")
             try:
                 return await asyncio.wait_for(asyncio.shield(stream.end), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if clock is None:
                     stream.cancel()
-                    raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s")
+                    raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s") \
+                        from None
     except ReplyFailed as exc:
         raise ReplicaFailed(stream.replica, f"engine replica failed: {exc}; retry") from exc
     except LinkLost as exc:

@@ -302,5 +302,6 @@ class Routes:
                     "cached_tokens=%s",
                     request_id, tenant, model, endpoint, status, 1000 * elapsed, 1000 * queued_s,
                     call.replica if call else "-", usage.prompt_tokens if usage else "-",
-                    usage.completion_tokens if usage else "-", usage.cached_tokens if usage else "-",
+                    usage.completion_tokens if usage else "-",
+                    usage.cached_tokens if usage else "-",
                     extra=ACCESS_LINE)

@@ -142,7 +142,7 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
         outputs = traced({"type": "token", "prompt_token_ids": [1, 2]},
                          SamplingParams(max_tokens=9), "b", priority=1)
         seen = []
-        async for output in outputs:
+        async for _ in outputs:
             seen.append(trace.take())
             if len(seen) == 3:
                 break
