@@ -16,17 +16,9 @@ from collections.abc import Callable
 from channel import frames
 from channel.frames import (Adapters, Head, Held, Hello, Kind, Open, Refused, Request, Usage,
                             hello_proof)
+from tokenfab.errors import LinkLost, ReplyFailed
 
 Sink = Callable[[bytes, bool], None]  # (reply bytes, carries tokens)
-
-
-class LinkLost(Exception):
-    """The connection to the replica broke, or could not be made: the replica is gone or
-    unreachable (distinct from a reply that failed)."""
-
-
-class ReplyFailed(Exception):
-    """The replica broke off the reply (its engine failed while serving it)."""
 
 
 class ReplyStream:

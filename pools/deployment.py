@@ -26,13 +26,12 @@ from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
 from pools.adapters import AdapterBoard
 from pools.cores import CoreClaim, claim_cores
-from pools.engine import (Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace,
-                          openai_error)
+from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace
 from pools.kv_event_ranks import rank_endpoint
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
 from pools.registry import REPORT_INTERVAL_S, RankReport, Registry, ReplicaReport
 from pools.usage import StreamMeter, usage_of, with_stream_usage
-from tokenfab.errors import EngineError
+from tokenfab.errors import EngineError, openai_error
 from tokenfab.serve_replica import bind_to_node_address
 
 logger = logging.getLogger(__name__)

@@ -86,19 +86,6 @@ class TokenTrace:
         return ids
 
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",
-               429: "RateLimitError", 503: "ServiceUnavailableError", 504: "GatewayTimeout"}
-
-
-def openai_error(status: int, message: str, param: str | None = None,
-                 code: int | str | None = None) -> dict[str, Any]:
-    """The OpenAI error object every tokenfab component answers with."""
-    kind = ERROR_TYPES.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": param,
-                      "code": status if code is None else code}}
-
-
 class LoadSnapshot(msgspec.Struct, frozen=True):
     """One replica's load, as its engine last reported it (refreshed every engine step).
 

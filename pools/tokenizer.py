@@ -11,16 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tokenfab.errors import PromptError
+
 _PROMPT_SHAPES = ("a string, a list of strings, a list of token ids or a list of lists of token "
                   "ids")
-
-
-class PromptError(ValueError):
-    """The request's prompt cannot be read; `field` names where (e.g. "messages[0].content")."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
 
 
 def _token_ids(value: Any) -> bool:

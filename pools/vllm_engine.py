@@ -16,9 +16,9 @@ import msgspec
 from pydantic import ValidationError
 
 from autoscaler.signals import SIGNAL_WINDOW_S, ReplicaSignals, Window
-from tokenfab.errors import EngineDeadError, EngineError
+from tokenfab.errors import EngineDeadError, EngineError, openai_error
 from channel.frames import AdapterRef
-from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
+from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace
 from pools.vllm_lora import VllmLora
 
 

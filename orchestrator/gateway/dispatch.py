@@ -19,7 +19,7 @@ from functools import partial
 import msgspec
 
 from autoscaler.records import ScaleRecord
-from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
+from channel.client import ReplicaLink, ReplyStream
 from channel.frames import Head, Refused, Request
 from channel.local import LocalLink
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
@@ -28,6 +28,7 @@ from pools.registry import AdapterRecord, IngressReport, Registry, ReplicaReport
 from router.index import ReplicaId
 from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey, target_id
+from tokenfab.errors import LinkLost, ReplyFailed
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.dispatch")
 

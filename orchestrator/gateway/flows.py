@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from channel.client import LinkLost, ReplyFailed, ReplyStream
+from channel.client import ReplyStream
 from channel.frames import AdapterRef, Request, Usage
 from orchestrator.gateway.dispatch import PoolDispatcher
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
@@ -31,6 +31,7 @@ from kvtransfer.params import decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
 from router.recent_prefixes import RecentPrefixes, skip_prefill
 from router.wire import RouteKey
+from tokenfab.errors import LinkLost, ReplyFailed
 
 _encode = msgspec.json.encode
 

@@ -14,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from channel.client import LinkLost, ReplyFailed, ReplyStream
+from channel.client import ReplyStream
 from channel.frames import AdapterRef, Head, Usage
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from orchestrator.gateway.http import Responder
+from tokenfab.errors import LinkLost, ReplyFailed
 
 
 @dataclass(slots=True)
