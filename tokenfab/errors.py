@@ -11,6 +11,7 @@
     │   └── ProtocolError    the peer broke the wire format; the connection must be closed
     ├── PromptError          a request's prompt cannot be read (names the field; a ValueError)
     ├── SimConfigError       a simulator profile, or options that do not fit it (a ValueError)
+    ├── CompatError          a dependency's version is not one tokenfab's patches of it know
     └── GatewayError         a request the gateway answers itself, as an OpenAI error object
         └── ReplicaFailed    (orchestrator/gateway/errors.py, with how each is sent)
 
@@ -85,3 +86,8 @@ class PromptError(TokenfabError, ValueError):
 
 class SimConfigError(TokenfabError, ValueError):
     """A profile, or options that do not fit it (what `python -m sim` reports without a trace)."""
+
+
+class CompatError(TokenfabError):
+    """An installed dependency is a version that one of tokenfab's patches of it was not written
+    for (tokenfab.compat.require)."""

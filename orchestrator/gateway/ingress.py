@@ -41,10 +41,10 @@ from router.hashing import PrefixBlockHasher
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
-from tokenfab.serve_replica import bind_to_node_address
+from tokenfab.ray_compat import bind_serve_grpc_to_node_address
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.gateway")
-bind_to_node_address()  # before Serve starts this replica's gRPC server
+bind_serve_grpc_to_node_address()  # before Serve starts this replica's gRPC server
 
 GATEWAY_DRAIN_TIMEOUT_S = 60.0
 
