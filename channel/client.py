@@ -16,17 +16,9 @@ from collections.abc import Callable
 from channel import frames
 from channel.frames import (Adapters, Head, Held, Hello, Kind, Open, Refused, Request, Usage,
                             hello_proof)
+from tokenfab.errors import LinkLost, ReplyFailed
 
 Sink = Callable[[bytes, bool], None]  # (reply bytes, carries tokens)
-
-
-class LinkLost(Exception):
-    """The connection to the replica broke, or could not be made: the replica is gone or
-    unreachable (distinct from a reply that failed)."""
-
-
-class ReplyFailed(Exception):
-    """The replica broke off the reply (its engine failed while serving it)."""
 
 
 class ReplyStream:
@@ -119,7 +111,7 @@ class ReplicaLink(asyncio.Protocol):
         self._challenge = loop.create_future()
         try:
             nonce = await asyncio.wait_for(self._connected(loop), timeout_s)
-        except (OSError, asyncio.TimeoutError, LinkLost) as exc:
+        except (TimeoutError, OSError, LinkLost) as exc:
             if not self._challenge.done():
                 self._challenge.cancel()  # nobody waits for it any more
             self.close()

@@ -38,6 +38,8 @@ from enum import IntEnum
 
 import msgspec
 
+from tokenfab.errors import ProtocolError
+
 HEADER = struct.Struct("!IIB")
 MAX_PAYLOAD = 64 << 20  # a frame larger than this is a protocol error (request bodies are capped)
 MAX_HELLO_PAYLOAD = 4096  # before a peer proves the secret: HELLO is well under this
@@ -185,10 +187,6 @@ _decoders = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in (
     (Kind.END, Usage), (Kind.TOKENS, Tokens), (Kind.REFUSED, Refused), (Kind.FAILED, Failed),
     (Kind.STATE, State), (Kind.CHALLENGE, Challenge), (Kind.OPEN, Open),
     (Kind.ADAPTERS, Adapters))}
-
-
-class ProtocolError(Exception):
-    """The peer broke the wire format; the connection must be closed."""
 
 
 def decode(kind: Kind, payload: bytes) -> msgspec.Struct:

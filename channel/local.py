@@ -14,8 +14,9 @@ import logging
 from functools import partial
 from typing import TYPE_CHECKING
 
-from channel.client import LinkLost, ReplyFailed, ReplyStream
+from channel.client import ReplyStream
 from channel.frames import Adapters, Head, Refused, Request, Usage
+from tokenfab.errors import LinkLost, ReplyFailed
 
 if TYPE_CHECKING:
     from channel.server import Handler

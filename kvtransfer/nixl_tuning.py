@@ -4,6 +4,9 @@ NIXL's Python agent hard-codes `pthrDelay = 0`: its progress thread spins, a who
 even when idle. On a GPU node that buys microseconds; on a CPU replica it steals the core the engine
 computes on. Replicas that want a delay set TOKENFAB_NIXL_PROGRESS_DELAY_US; vLLM loads this plugin
 in every engine process (entry point `vllm.general_plugins`), before any NIXL agent exists.
+This is tokenfab's one patch of NIXL (its bindings' `nixlAgent`), gated on the NIXL versions it
+was written for (tokenfab.compat). Upstream, this would be a `pthrDelay` argument (or setting)
+of NIXL's Python agent, and of vLLM's NixlConnector above it.
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from importlib.metadata import version
+
+from tokenfab.compat import require
 
 ENV = "TOKENFAB_NIXL_PROGRESS_DELAY_US"
+NIXL_VERSIONS = ("1.5.1",)
 logger = logging.getLogger(__name__)
 
 
@@ -24,6 +31,7 @@ def register() -> None:
         from nixl._api import nixl_agent
     except ImportError:  # no NIXL here: nothing to tune
         return
+    require("NIXL", version("nixl"), NIXL_VERSIONS, "nixlAgent, its progress thread's delay")
     bindings = sys.modules[nixl_agent.__module__].nixlBind
     if getattr(bindings.nixlAgent, "_tokenfab_delay_us", None) == delay_us:
         return

@@ -59,7 +59,7 @@ class LoraSpec(_Strict):
         "and unloaded at run time (tokenfab adapter load/unload).")
 
     @model_validator(mode="after")
-    def _cache_holds_a_batch(self) -> "LoraSpec":
+    def _cache_holds_a_batch(self) -> LoraSpec:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                              f"({self.max_loras}): a batch's adapters are all loaded")

@@ -12,7 +12,7 @@ from ray import serve
 from ray.serve import Application
 
 from orchestrator.gateway.colocated import PoolReplicaWithIngress
-from orchestrator.gateway.ingress import DRAIN_TIMEOUT_S as GATEWAY_DRAIN_TIMEOUT_S, Gateway
+from orchestrator.gateway.ingress import GATEWAY_DRAIN_TIMEOUT_S, Gateway
 from orchestrator.config import (ModelSpec, PoolSpec, Topology, parse_topology,
                                  pool_deployment_name)
 from pools.deployment import PoolReplica, ReplicaSettings
@@ -21,7 +21,9 @@ from tokenfab.errors import TopologyError
 
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
-DRAIN_TIMEOUT_S = 120.0
+# a pool replica taken down lets its engine finish what it runs (generations: up to this long);
+# an ingress drains in GATEWAY_DRAIN_TIMEOUT_S (requests it took, wherever they run)
+REPLICA_DRAIN_TIMEOUT_S = 120.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
 DECISION_SINK = "pools.registry:record_scale"  # where the autoscaler's decisions are kept
 # How Serve runs tokenfab's replicas. Requests reach them over the data channel, not through
@@ -80,7 +82,7 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
         pin_cores=pool.resources.pin_cores,
         kv_events=topology.kv_events.enabled,
         kv_events_transport=topology.kv_events.transport,
-        drain_timeout_s=DRAIN_TIMEOUT_S,
+        drain_timeout_s=REPLICA_DRAIN_TIMEOUT_S,
         nixl_progress_delay_us=topology.disaggregation.nixl_progress_delay_us,
         max_ongoing_requests=pool.max_ongoing_requests,
         ranks=pool.parallel.ranks,
@@ -92,7 +94,8 @@ def replica_settings(topology: Topology, pool: PoolSpec) -> ReplicaSettings:
 
 def autoscaling_config(topology: Topology, pool: PoolSpec) -> dict[str, Any]:
     """Serve's autoscaling for a pool: tokenfab's policy (autoscaler.serve_policy) with the
-    topology's targets (and the pool's own). Serve's own delays are off: the policy keeps its own."""
+    topology's targets (and the pool's own). Serve's own delays are off: the policy keeps its
+    own."""
     spec = topology.targets(pool)
     if spec.policy == "ray_requests":  # Serve's own delays and formula, on our request counts
         return {"min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
@@ -140,7 +143,8 @@ def _pool_app(topology: Topology, pool: PoolSpec) -> Application:
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_wait_loop_s=1.0,
         # colocated: the ingress's requests finish first (some on other replicas)
-        graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S + (GATEWAY_DRAIN_TIMEOUT_S if colocated else 0),
+        graceful_shutdown_timeout_s=REPLICA_DRAIN_TIMEOUT_S
+        + (GATEWAY_DRAIN_TIMEOUT_S if colocated else 0),
         **extra,
     )
     args = (engine_spec(topology, pool), replica_settings(topology, pool))

@@ -1,4 +1,5 @@
-"""The `tokenfab` command: validate topologies, make tiny models, and bring deployments up and down."""
+"""The `tokenfab` command: validate topologies, make tiny models, and bring deployments up and
+down."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 
 import click
 
-from orchestrator.config import ClusterSpec, Topology, load_topology, parse_topology, topology_schema
+from orchestrator.config import (ClusterSpec, Topology, load_topology, parse_topology,
+                                 topology_schema)
 from tokenfab.errors import ClusterError, TokenfabError, TopologyError
 
 DEFAULT_CLUSTER = ClusterSpec()
@@ -30,7 +32,8 @@ def check_engine_args(topology: Topology, source: str) -> list[str]:
 
     known = engine_arg_names()
     sections = [("engine_args", topology.engine_args)]
-    sections += [(f"pools.{i}.engine_args", pool.engine_args) for i, pool in enumerate(topology.pools)]
+    sections += [(f"pools.{i}.engine_args", pool.engine_args)
+                 for i, pool in enumerate(topology.pools)]
     return [
         f"{source}: {where}.{key}: unknown vLLM engine argument"
         for where, args in sections
@@ -79,7 +82,8 @@ def topology_reference() -> None:
 
 @main.command("chart-schema")
 def chart_schema() -> None:
-    """Print the JSON Schema of the Helm chart's values (deploy/helm/tokenfab/values.schema.json)."""
+    """Print the JSON Schema of the Helm chart's values
+    (deploy/helm/tokenfab/values.schema.json)."""
     from orchestrator.helm_schema import values_schema
 
     click.echo(json.dumps(values_schema(), indent=2))
@@ -158,14 +162,16 @@ def up(file: str, foreground: bool, timeout: float) -> None:
         click.echo(f"deploying {topology.name!r}: " + ", ".join(
             f"pool {p.name} ({p.role}) x{p.replicas}" for p in topology.pools))
         client.deploy(topology)
-        deploy.wait_until_running(client, topology.name, timeout, lambda line: click.echo(f"  {line}"))
+        deploy.wait_until_running(client, topology.name, timeout,
+                                  lambda line: click.echo(f"  {line}"))
     except TokenfabError as exc:
         _fail(exc)
     gateway = topology.gateway
     base = f"http://{gateway.host}:{gateway.port}{gateway.route_prefix.rstrip('/')}/v1"
     click.echo(f"ready: OpenAI endpoint {base}")
     click.echo(f"try: curl {base}/completions -H 'Content-Type: application/json' "
-               f"-d '{{\"model\": \"{topology.served[0].name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+               f"-d '{{\"model\": \"{topology.served[0].name}\", \"prompt\": \"Hello\", "
+               f"\"max_tokens\": 16}}'")
     if foreground:
         _serve_until_interrupted(topology, stop_ray=started)
 
@@ -240,7 +246,8 @@ def scale(pool: str, replicas: int, app: str | None, dashboard: str, timeout: fl
         data: dict[str, Any] = topology.model_dump() | {"pools": pools}
         updated = parse_topology(data, f"scale {pool} {replicas}")
         client.deploy(updated)
-        deploy.wait_until_running(client, updated.name, timeout, lambda line: click.echo(f"  {line}"))
+        deploy.wait_until_running(client, updated.name, timeout,
+                                  lambda line: click.echo(f"  {line}"))
     except TokenfabError as exc:
         _fail(exc)
     click.echo(f"pool {pool}: {replicas} replicas")

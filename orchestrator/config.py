@@ -65,7 +65,8 @@ class ModelSpec(_Strict):
 
 
 class RouterSpec(_Strict):
-    """How the gateway picks a replica of a pool (decode pools whose ranks Ray places: least_loaded).
+    """How the gateway picks a replica of a pool (decode pools whose ranks Ray places:
+    least_loaded).
 
     Formulas and worked examples: router/README.md.
     """
@@ -160,7 +161,8 @@ class RouterSpec(_Strict):
 class GatewaySpec(_Strict):
     """The OpenAI-compatible HTTP endpoint."""
 
-    host: str = Field("127.0.0.1", description="Address the gateway listens on (its replicas on a node share it).")
+    host: str = Field("127.0.0.1", description="Address the gateway listens on (its replicas on "
+                      "a node share it).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     route_prefix: str = Field("/", pattern=r"^/", description="URL prefix of this application.")
     replicas: int = Field(1, ge=1, description="Ingress replicas (in processes of their own; "
@@ -194,8 +196,8 @@ class DisaggregationSpec(_Strict):
     """How requests flow through prefill and decode pools (ignored by unified topologies)."""
 
     min_prompt_tokens: int = Field(
-        256, ge=0, description="Requests that leave decode fewer tokens than this to compute (short "
-        "prompts, or prompts whose prefix decode holds) skip the prefill pool.",
+        256, ge=0, description="Requests that leave decode fewer tokens than this to compute "
+        "(short prompts, or prompts whose prefix decode holds) skip the prefill pool.",
     )
     decode_cache_ttl_s: float = Field(
         300.0, gt=0, description="How long a prefix sent to decode counts as cached there, where "
@@ -348,7 +350,7 @@ class Topology(_Strict):
         return pools
 
     @model_validator(mode="after")
-    def _models(self) -> "Topology":
+    def _models(self) -> Topology:
         if self.model is None and not self.models:
             raise ValueError("model: field required (or models, to serve several)")
         if self.model is not None and self.models:
@@ -384,7 +386,7 @@ class Topology(_Strict):
         return tenants
 
     @model_validator(mode="after")
-    def _admin_keys_apart(self) -> "Topology":
+    def _admin_keys_apart(self) -> Topology:
         shared = set(self.auth.admin_keys) & {k for t in self.tenants for k in t.api_keys}
         if shared:
             raise ValueError(f"auth.admin_keys: {sorted(shared)[0]} is also a tenant's API key; "
@@ -392,7 +394,7 @@ class Topology(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _auth_inputs(self) -> "Topology":
+    def _auth_inputs(self) -> Topology:
         if self.auth.enabled and not self.tenants:
             raise ValueError("auth.enabled needs tenants: declare at least one")
         for i, tenant in enumerate(self.tenants):
@@ -409,7 +411,7 @@ class Topology(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _adapters(self) -> "Topology":
+    def _adapters(self) -> Topology:
         tenants = {tenant.name for tenant in self.tenants}
         for j, model in enumerate(self.served):
             for i, adapter in enumerate(model.adapters):
@@ -423,7 +425,7 @@ class Topology(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _pools_fit_model_and_devices(self) -> "Topology":
+    def _pools_fit_model_and_devices(self) -> Topology:
         for i, pool in enumerate(self.pools):
             model = self.model_of(pool)
             moe = model.is_moe()
@@ -454,7 +456,7 @@ class Topology(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _colocated_gateway(self) -> "Topology":
+    def _colocated_gateway(self) -> Topology:
         if not self.gateway.colocate:
             return self
         if len(self.pools) != 1 or self.pools[0].role != "unified":
@@ -480,14 +482,14 @@ class Topology(_Strict):
         return pool.max_replicas if self.autoscaled(pool) and pool.max_replicas else pool.replicas
 
     @model_validator(mode="after")
-    def _router_inputs(self) -> "Topology":
+    def _router_inputs(self) -> Topology:
         if self.router.policy == "kv_aware" and not self.kv_events.enabled:
             raise ValueError("router.policy kv_aware reads the engines' KV events: set "
                              "kv_events.enabled to true or choose prefix_approx")
         return self
 
     @model_validator(mode="after")
-    def _rise_needs_a_plan(self) -> "Topology":
+    def _rise_needs_a_plan(self) -> Topology:
         spec, field = self.autoscaler, "autoscaler.rise_rps_per_s"
         if spec.rise_rps_per_s <= 0:
             return self

@@ -79,7 +79,8 @@ class ServeClient:
 
     def deployed_apps(self) -> list[dict[str, Any]]:
         apps = self.details().get("applications") or {}
-        return [app["deployed_app_config"] for app in apps.values() if app.get("deployed_app_config")]
+        return [app["deployed_app_config"] for app in apps.values()
+                if app.get("deployed_app_config")]
 
     def deploy(self, topology: Topology) -> None:
         """Add or replace this topology's application; other applications stay as they are."""

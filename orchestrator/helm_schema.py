@@ -62,7 +62,8 @@ def values_schema() -> dict[str, Any]:
         "required": ["image", "topology", "head", "workerGroups", "service"],
         "additionalProperties": False,
         "properties": {
-            "image": {"type": "object", "required": ["repository", "tag"], "additionalProperties": False,
+            "image": {"type": "object", "required": ["repository", "tag"],
+                      "additionalProperties": False,
                       "properties": {"repository": {"type": "string", "minLength": 1},
                                      "tag": {"type": "string", "minLength": 1},
                                      "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}},

@@ -26,17 +26,16 @@ from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
 from pools.adapters import AdapterBoard
 from pools.cores import CoreClaim, claim_cores
-from pools.engine import (Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace,
-                          openai_error)
-from pools.kv_event_ranks import rank_endpoint
+from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace
+from pools.vllm_compat import rank_endpoint
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
 from pools.registry import REPORT_INTERVAL_S, RankReport, Registry, ReplicaReport
 from pools.usage import StreamMeter, usage_of, with_stream_usage
-from tokenfab.errors import EngineError
-from tokenfab.serve_replica import bind_to_node_address
+from tokenfab.errors import EngineError, openai_error
+from tokenfab.ray_compat import bind_serve_grpc_to_node_address
 
 logger = logging.getLogger(__name__)
-bind_to_node_address()  # before Serve starts this replica's gRPC server
+bind_serve_grpc_to_node_address()  # before Serve starts this replica's gRPC server
 
 SOCKET_DIR = Path(os.environ.get("TOKENFAB_SOCKET_DIR", f"/tmp/tokenfab-{os.getuid()}/kv"))
 
@@ -84,8 +83,9 @@ async def _check_listening(channel: SideChannel, timeout_s: float = 5.0) -> None
         try:
             _, writer = await asyncio.wait_for(
                 asyncio.open_connection(channel.host, port), timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise EngineError(f"NIXL side channel {channel.host}:{port} unreachable: {exc}") from exc
+        except (TimeoutError, OSError) as exc:
+            raise EngineError(f"NIXL side channel {channel.host}:{port} unreachable: "
+                              f"{exc}") from exc
         writer.close()
 
 
@@ -151,8 +151,9 @@ class PoolReplica:
         return claim
 
     async def _with_kv_events(self, spec: EngineSpec) -> EngineSpec:
-        """Each data-parallel rank publishes on ipc sockets of its own (pools.kv_event_ranks);
-        with the tcp transport each rank's stream gets a relay of its own."""
+        """Each data-parallel rank publishes on ipc sockets of its own
+        (pools.vllm_compat.register_rank_event_endpoints); with the tcp transport each rank's
+        stream gets a relay of its own."""
         engine = engine_endpoints(socket_dir(SOCKET_DIR) / self._replica_id)
         ranks = [KVEventEndpoints(*(rank_endpoint(endpoint, rank) for endpoint in (
             engine.engine, engine.engine_replay, engine.public, engine.replay)))

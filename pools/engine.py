@@ -48,7 +48,8 @@ class ReplyHead(msgspec.Struct, frozen=True):
     """First item of every reply stream: the HTTP status and whether SSE chunks follow.
 
     After a head with `streaming=False` exactly one item follows: the JSON body (a response object
-    or an OpenAI error object). After `streaming=True`, each item is one SSE event, `data: ...\\n\\n`.
+    or an OpenAI error object). After `streaming=True`, each item is one SSE event,
+    `data: ...\\n\\n`.
     """
 
     status: int
@@ -85,19 +86,6 @@ class TokenTrace:
         return ids
 
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",
-               429: "RateLimitError", 503: "ServiceUnavailableError", 504: "GatewayTimeout"}
-
-
-def openai_error(status: int, message: str, param: str | None = None,
-                 code: int | str | None = None) -> dict[str, Any]:
-    """The OpenAI error object every tokenfab component answers with."""
-    kind = ERROR_TYPES.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": param,
-                      "code": status if code is None else code}}
-
-
 class LoadSnapshot(msgspec.Struct, frozen=True):
     """One replica's load, as its engine last reported it (refreshed every engine step).
 
@@ -124,7 +112,9 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 class Engine(Protocol):

@@ -17,11 +17,11 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import msgspec
-import ray
 
 from autoscaler.records import ScaleRecord
 from channel.secret import NAMESPACE  # the cluster secrets' namespace, shared
 from pools.engine import LoadSnapshot
+from tokenfab.ray_compat import gcs_client
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.registry")
 
@@ -106,11 +106,6 @@ _Reported = TypeVar("_Reported", ReplicaReport, IngressReport)
 _background: set[asyncio.Task] = set()  # deletes and writes nobody awaits (a task needs a holder)
 
 
-def _gcs() -> Any:
-    """This process's GCS client (a Ray worker or driver connected to the cluster)."""
-    return ray._private.worker.global_worker.gcs_client
-
-
 def _in_background(coroutine: Coroutine[Any, Any, None], what: str) -> None:
     task = asyncio.get_running_loop().create_task(coroutine)
     _background.add(task)
@@ -142,16 +137,16 @@ class Registry:
         return f"{self._prefix}{kind}/{name}".encode()
 
     async def _put(self, key: bytes, entry: msgspec.Struct) -> None:
-        await _gcs().async_internal_kv_put(key, msgspec.msgpack.encode(entry), True,
+        await gcs_client().async_internal_kv_put(key, msgspec.msgpack.encode(entry), True,
                                            NAMESPACE_KEY, timeout=self._timeout_s)
 
     async def _delete(self, key: bytes) -> None:
-        await _gcs().async_internal_kv_del(key, False, NAMESPACE_KEY, timeout=self._timeout_s)
+        await gcs_client().async_internal_kv_del(key, False, NAMESPACE_KEY, timeout=self._timeout_s)
 
     async def _entries(self, kind: str, type_: type[_Struct]) -> dict[bytes, _Struct]:
         """The entries of `kind`; one that does not decode as `type_` (written by another
         version) is skipped and deleted."""
-        gcs, prefix = _gcs(), self._key(kind, "")
+        gcs, prefix = gcs_client(), self._key(kind, "")
         keys = await gcs.async_internal_kv_keys(prefix, NAMESPACE_KEY, timeout=self._timeout_s)
         if not keys:
             return {}

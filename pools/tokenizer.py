@@ -1,9 +1,9 @@
 """Counts a request's prompt tokens the way the engine will see them (same tokenizer and template).
 
-Used outside the engines, where a decision depends on prompt length (admission limits, prefill/decode
-disaggregation, prefix-aware routing). Every prompt shape the OpenAI API accepts is counted; a body
-whose prompt cannot be read raises `PromptError`, naming the field, so a caller can refuse it
-instead of admitting it uncounted.
+Used outside the engines, where a decision depends on prompt length (admission limits,
+prefill/decode disaggregation, prefix-aware routing). Every prompt shape the OpenAI API accepts
+is counted; a body whose prompt cannot be read raises `PromptError`, naming the field, so a
+caller can refuse it instead of admitting it uncounted.
 """
 
 from __future__ import annotations
@@ -11,16 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tokenfab.errors import PromptError
+
 _PROMPT_SHAPES = ("a string, a list of strings, a list of token ids or a list of lists of token "
                   "ids")
-
-
-class PromptError(ValueError):
-    """The request's prompt cannot be read; `field` names where (e.g. "messages[0].content")."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
 
 
 def _token_ids(value: Any) -> bool:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import logging
 from argparse import Namespace
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextvars import ContextVar
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from pydantic import ValidationError
 
 from autoscaler.signals import SIGNAL_WINDOW_S, ReplicaSignals, Window
-from tokenfab.errors import EngineDeadError, EngineError
+from tokenfab.errors import EngineDeadError, EngineError, openai_error
 from channel.frames import AdapterRef
-from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace, openai_error
+from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace
+from pools.vllm_compat import RANK, TRACE, continue_on_add_request, trace_generate
 from pools.vllm_lora import VllmLora
 
 
@@ -120,7 +120,8 @@ class _LoadRecorder:
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 pass
 
-            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any,
+                       **kw: Any) -> None:
                 if scheduler_stats is not None:
                     recorder.update(scheduler_stats, engine_index)
                 if iteration_stats is not None:
@@ -211,13 +212,6 @@ def _field_names(model: type) -> frozenset[str]:
 
 _ERROR_EVENT = 'data: {"error"'  # how vLLM's serving layer ends a stream that failed
 
-# The trace and the data-parallel rank of the request being served, seen by `_traced` below the
-# serving layer. Each request runs in a task of its own (the channel's, or Serve's), so a value
-# set there is its own.
-_TRACE: ContextVar[TokenTrace | None] = ContextVar("tokenfab_token_trace", default=None)
-_RANK: ContextVar[int | None] = ContextVar("tokenfab_dp_rank", default=None)
-
-
 class ExpertLoad:
     """Routing decisions per expert of a mixture-of-experts engine, from the experts vLLM
     reports each finished request was routed to (`enable_return_routed_experts`: an array of
@@ -235,107 +229,6 @@ class ExpertLoad:
         counts = np.bincount(np.asarray(routed).ravel(), minlength=len(self.tokens))
         counts[:len(self.tokens)] += np.asarray(self.tokens, dtype=counts.dtype)
         self.tokens = counts.tolist()
-
-
-def continue_detokenizer(detokenizer: Any, prompt_token_ids: Sequence[int],
-                         resume: Sequence[int]) -> None:
-    """Make the detokenizer of a resumed request (its prompt: the client's, then `resume`) the
-    one the original request had after generating `resume`: primed with the client's prompt,
-    then stepped through those tokens as if it had generated them. vLLM primes it with both as
-    one prompt, and the client holds every token it was sent, the first bytes of a character
-    among them; primed with ids that end inside a character, the `tokenizers` DecodeStream
-    answers its first step with the whole prompt's text (vllm-project/vllm#48853) and vLLM's
-    slow detokenizer drops the character. Example: prompt "price:", resume [" ", the first
-    byte of "€"], then the engine generates the character's last bytes: the first text is "€",
-    not "price: €"."""
-    import tokenizers.decoders
-    from vllm.tokenizers.detokenizer_utils import convert_prompt_ids_to_tokens
-    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, SlowIncrementalDetokenizer
-
-    prompt = list(prompt_token_ids[:len(prompt_token_ids) - len(resume)])
-    if isinstance(detokenizer, FastIncrementalDetokenizer):
-        detokenizer.stream = tokenizers.decoders.DecodeStream(
-            ids=prompt, skip_special_tokens=detokenizer.skip_special_tokens)
-        for token in resume:
-            detokenizer.decode_next(token)
-    elif isinstance(detokenizer, SlowIncrementalDetokenizer):
-        detokenizer.tokens, detokenizer.prefix_offset, detokenizer.read_offset = \
-            convert_prompt_ids_to_tokens(detokenizer.tokenizer, prompt,
-                                         skip_special_tokens=detokenizer.skip_special_tokens)
-        del detokenizer.token_ids[len(prompt):]
-        for token in resume:  # its update() adds each id before decoding it
-            detokenizer.token_ids.append(token)
-            detokenizer.decode_next(token)
-
-
-def _continuing(add_request: Callable[..., None], states: dict[str, Any]
-                ) -> Callable[..., None]:
-    """`OutputProcessor.add_request`, which creates a request's detokenizer before the engine
-    sees the request: a resumed one (its TokenTrace's `resume`) gets its detokenizer continued
-    (continue_detokenizer)."""
-
-    def add(request: Any, *args: Any, **kwargs: Any) -> None:
-        add_request(request, *args, **kwargs)
-        trace = _TRACE.get()
-        state = states.get(request.request_id) if trace is not None and trace.resume else None
-        if state is not None and state.detokenizer is not None:
-            continue_detokenizer(state.detokenizer, request.prompt_token_ids, trace.resume)
-
-    return add
-
-
-def _traced(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None
-            ) -> Callable[..., AsyncIterator[Any]]:
-    """`AsyncLLM.generate` as vLLM's serving layer calls it, on the request's data-parallel rank
-    (the router's choice; None: the engine's own balancer picks) and with its TokenTrace, which
-    sees every output before the serving layer turns it into bytes; `experts` counts the experts
-    every request was routed to. Untraced requests of an engine that counts no experts get the
-    engine's own generator."""
-
-    def generate_traced(prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any
-                        ) -> AsyncIterator[Any]:
-        trace, rank = _TRACE.get(), _RANK.get()
-        if rank is not None:  # what vLLM's server takes from an X-data-parallel-rank header
-            kwargs["data_parallel_rank"] = rank
-        if trace is None and experts is None:
-            return generate(prompt, params, request_id, *args, **kwargs)
-        if trace is not None and trace.resume:
-            prompt, params = _resumed(prompt, params, trace.resume)
-        return _follow(generate(prompt, params, request_id, *args, **kwargs), trace, experts)
-
-    return generate_traced
-
-
-async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace | None,
-                  experts: ExpertLoad | None = None) -> AsyncIterator[Any]:
-    try:
-        async for output in outputs:  # DELTA outputs: the tokens and text since the last one
-            if trace is not None:
-                trace.add(output.outputs[0].token_ids)
-            if experts is not None and output.finished:
-                for each in output.outputs:
-                    if getattr(each, "routed_experts", None) is not None:
-                        experts.add(each.routed_experts)
-            yield output
-    finally:
-        await outputs.aclose()  # aborts the engine request if the client left
-
-
-def _resumed(prompt: Any, params: Any, resume: tuple[int, ...]) -> tuple[Any, Any]:
-    """The rendered prompt followed by the tokens generated before, and the sampling parameters
-    for what is left: the same request, continued."""
-    if not isinstance(prompt, dict) or prompt.get("type") != "token":
-        raise ValueError("only a prompt of token ids can be resumed")
-    params = params.clone()
-    params.max_tokens -= len(resume)
-    if params.max_tokens < 1:
-        raise ValueError("a resumed request has no tokens left to generate")
-    if params.min_tokens:
-        params.min_tokens = max(0, params.min_tokens - len(resume))
-    prompt = {key: value for key, value in prompt.items()
-              if key not in ("prompt", "prompt_token_offsets")}  # text no longer matches the ids
-    prompt["prompt_token_ids"] = [*prompt["prompt_token_ids"], *resume]
-    return prompt, params
 
 
 class VllmEngine:
@@ -383,9 +276,10 @@ class VllmEngine:
             disable_log_stats=False,
         )
         # what vLLM's serving layer calls, and where it makes each request's detokenizer
-        self._llm.generate = _traced(self._llm.generate, self.experts)
+        self._llm.generate = trace_generate(self._llm.generate, self.experts)
         processor = self._llm.output_processor
-        processor.add_request = _continuing(processor.add_request, processor.request_states)
+        processor.add_request = continue_on_add_request(processor.add_request,
+                                                        processor.request_states)
         frontend = FrontendArgs(enable_prompt_tokens_details=True)
         # set by the engine cores: with data-parallel ranks, vLLM sums their caches; each rank
         # (a routing target) has its own share
@@ -395,7 +289,8 @@ class VllmEngine:
         state = State()
         tasks = await self._llm.get_supported_tasks()
         await init_app_state(self._llm, state, args, supported_tasks=tasks)
-        self._serving = {"completions": state.openai_serving_completion, "chat": state.openai_serving_chat}
+        self._serving = {"completions": state.openai_serving_completion,
+                         "chat": state.openai_serving_chat}
         if self._lora is not None:
             self._lora.attach(self._llm, state.openai_serving_models, ErrorResponse)
         self._requests = {"completions": CompletionRequest, "chat": Chat}
@@ -405,7 +300,8 @@ class VllmEngine:
     async def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
                     rank: int | None = None, adapter: AdapterRef | None = None
                     ) -> AsyncIterator[ReplyHead | bytes]:
-        if rank is not None and not 0 <= rank < self.spec.data:  # a router's mistake, not the client's
+        # a rank that does not exist is a router's mistake, not the client's
+        if rank is not None and not 0 <= rank < self.spec.data:
             raise EngineError(f"data-parallel rank {rank} does not exist: the engine has "
                               f"{self.spec.data}")
         if adapter is not None:
@@ -435,9 +331,10 @@ class VllmEngine:
             yield msgspec.json.encode(openai_error(400, message, param))
             return
         serving = self._serving[endpoint]
-        _TRACE.set(trace)
-        _RANK.set(rank)
-        create = serving.create_completion if endpoint == "completions" else serving.create_chat_completion
+        TRACE.set(trace)
+        RANK.set(rank)
+        create = serving.create_completion if endpoint == "completions" \
+            else serving.create_chat_completion
         try:
             result = await create(request, raw_request=None)
         except Exception as exc:  # vLLM raises request errors; it maps them to status codes itself

@@ -17,7 +17,6 @@ is node-local, guarded by its directory's permissions, and takes no keys.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass

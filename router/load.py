@@ -16,9 +16,9 @@ from itertools import repeat
 from router.events import EngineBlockHash
 from router.index import ReplicaId
 from router.slots import ReplicaSlots, prefix_depths
+from router.ttft_model import TTFTModel, TTFTParams
 
 GENERATIONS = 8  # a full history's generations: the eviction order's granularity
-from router.ttft_model import TTFTModel, TTFTParams
 
 
 @dataclass

@@ -12,7 +12,8 @@ class RouterMetrics:
         self.decisions = Counter("tokenfab_router_decisions", "Routing decisions",
                                  ["pool", "policy"], registry=registry)
         self.prompt_tokens = Counter("tokenfab_router_prompt_tokens",
-                                     "Prompt tokens of routed requests", ["pool"], registry=registry)
+                                     "Prompt tokens of routed requests", ["pool"],
+                                     registry=registry)
         self.predicted_cached = Counter(
             "tokenfab_router_predicted_cached_tokens",
             "Prompt tokens the block map said the chosen replica held", ["pool"], registry=registry)

@@ -25,7 +25,8 @@ class RecentPrefixes:
 
     def __init__(self, block_tokens: int = BLOCK_TOKENS, capacity_blocks: int = CAPACITY_BLOCKS,
                  ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._block, self._capacity, self._ttl, self._clock = block_tokens, capacity_blocks, ttl_s, clock
+        self._block, self._capacity = block_tokens, capacity_blocks
+        self._ttl, self._clock = ttl_s, clock
         self._seen: OrderedDict[int, float] = OrderedDict()  # chained block hash -> last dispatch
 
     def _hashes(self, token_ids: Sequence[int], salt: str | None) -> list[int]:

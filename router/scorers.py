@@ -79,9 +79,10 @@ class KVUsageScorer:
 class TTFTScorer:
     """Estimated time to first token (see Candidate.estimated_ttft_s), relative to the best.
 
-    Example (in-flight cost 128 tokens, no overhead): a 2,048-token prompt at 4,000 tokens/s everywhere; a
-    holds 1,536 tokens, has 3,000 queued and 2 in flight (0.942 s), b holds nothing and is idle
-    (0.512 s) -> [0.544, 1.0]: the hot replica is busy enough that recomputing on b is faster.
+    Example (in-flight cost 128 tokens, no overhead): a 2,048-token prompt at 4,000 tokens/s
+    everywhere; a holds 1,536 tokens, has 3,000 queued and 2 in flight (0.942 s), b holds nothing
+    and is idle (0.512 s) -> [0.544, 1.0]: the hot replica is busy enough that recomputing on b
+    is faster.
     With only 1,000 queued on a (0.442 s) -> [1.0, 0.863]: affinity wins.
     """
 

@@ -7,7 +7,7 @@ by CPython's cyclic garbage collector, however large they grow.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from itertools import takewhile
 from typing import NewType
 

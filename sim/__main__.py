@@ -3,7 +3,8 @@ simulation, or find what one replica serves within latency targets (the autoscal
 
     python -m sim calibrate --url http://127.0.0.1:8000 --model tiny \\
         --model-path ~/.cache/tokenfab/models/tiny-llama --kv-blocks 384 --out my-profile.json
-    python -m sim replay --profile h100-llama-3.1-8b --trace ../shared/traces/synthetic_trace.jsonl \\
+    python -m sim replay --profile h100-llama-3.1-8b \\
+        --trace ../shared/traces/synthetic_trace.jsonl \\
         --policy kv_aware --replicas 64 --rate 64 [--pd 16:48 --transfer-gb-s 50]
     python -m sim capacity --profile h100-llama-3.1-8b [--role prefill|decode] \\
         --trace ../shared/traces/synthetic_trace.jsonl --ttft-p90-s 3 --itl-p90-s 0.1

@@ -90,8 +90,8 @@ class Prober:
 
     async def one(self, client: httpx.AsyncClient, words: list[str],
                   max_tokens: int) -> dict[str, Any]:
-        body = {"model": self.model, "prompt": "".join(words), "stream": True, "max_tokens": max_tokens,
-                "ignore_eos": True, "temperature": 0,
+        body = {"model": self.model, "prompt": "".join(words), "stream": True,
+                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
                 "stream_options": {"include_usage": True}}
         sent, stamps, usage = time.monotonic(), [], {}
         async with client.stream("POST", "/completions", json=body,

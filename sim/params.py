@@ -16,11 +16,9 @@ from pathlib import Path
 
 import msgspec
 
+from tokenfab.errors import SimConfigError
+
 PROFILES = Path(__file__).parent / "profiles"
-
-
-class SimConfigError(ValueError):
-    """A profile, or options that do not fit it (what `python -m sim` reports without a trace)."""
 
 
 class EngineParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -28,8 +28,9 @@ from router.wire import RouteKey
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
-from sim.params import EngineParams, SimConfigError
+from sim.params import EngineParams
 from sim.run import percentile
+from tokenfab.errors import SimConfigError
 
 PREFILL, DECODE = "prefill", "decode"
 

@@ -19,7 +19,7 @@ from functools import partial
 import msgspec
 
 from autoscaler.records import ScaleRecord
-from channel.client import LinkLost, ReplicaLink, ReplyFailed, ReplyStream
+from channel.client import ReplicaLink, ReplyStream
 from channel.frames import Head, Refused, Request
 from channel.local import LocalLink
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
@@ -28,6 +28,7 @@ from pools.registry import AdapterRecord, IngressReport, Registry, ReplicaReport
 from router.index import ReplicaId
 from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey, target_id
+from tokenfab.errors import LinkLost, ReplyFailed
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.dispatch")
 
@@ -138,7 +139,7 @@ class ReplicaDirectory:
             self._poked.clear()
             try:
                 await asyncio.wait_for(self._poked.wait(), self._refresh_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -345,7 +346,7 @@ class PoolDispatcher:
         self._report_held()
         try:
             await asyncio.wait_for(asyncio.shield(self._changed), min(remaining, HOLD_RECHECK_S))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             self._held -= 1
@@ -384,7 +385,7 @@ async def _head(stream: ReplyStream, deadline: float) -> Head | Refused | None:
     """The stream's head; None if the replica went away before answering (try another)."""
     try:
         return await asyncio.wait_for(stream.head, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         stream.cancel()
         raise GatewayError(504, "no reply from the engine within the request deadline") from exc
     except LinkLost:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 
 from orchestrator.gateway.http import Responder
-from pools.engine import openai_error
+from tokenfab.errors import TokenfabError, openai_error
 
 
-class GatewayError(Exception):
+class GatewayError(TokenfabError):
     """A request the gateway answers itself, with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from channel.client import LinkLost, ReplyFailed, ReplyStream
+from channel.client import ReplyStream
 from channel.frames import AdapterRef, Request, Usage
 from orchestrator.gateway.dispatch import PoolDispatcher
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
@@ -31,6 +31,7 @@ from kvtransfer.params import decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
 from router.recent_prefixes import RecentPrefixes, skip_prefill
 from router.wire import RouteKey
+from tokenfab.errors import LinkLost, ReplyFailed
 
 _encode = msgspec.json.encode
 
@@ -235,7 +236,7 @@ async def _whole(stream: ReplyStream, deadline: float) -> None:
     """Wait for the end of a whole reply (its head came), within the deadline."""
     try:
         await asyncio.wait_for(stream.end, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         stream.cancel()
         raise GatewayError(504, "prefill leg timed out") from exc
     except (LinkLost, ReplyFailed) as exc:

@@ -41,12 +41,12 @@ from router.hashing import PrefixBlockHasher
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
-from tokenfab.serve_replica import bind_to_node_address
+from tokenfab.ray_compat import bind_serve_grpc_to_node_address
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.gateway")
-bind_to_node_address()  # before Serve starts this replica's gRPC server
+bind_serve_grpc_to_node_address()  # before Serve starts this replica's gRPC server
 
-DRAIN_TIMEOUT_S = 60.0
+GATEWAY_DRAIN_TIMEOUT_S = 60.0
 
 
 def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
@@ -204,7 +204,7 @@ class Ingress:
         """Take no new connection (the port's other listeners get them)."""
         self._server.close()
 
-    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    async def drain(self, timeout_s: float = GATEWAY_DRAIN_TIMEOUT_S) -> None:
         """Stop taking connections and let the requests in flight finish (within `timeout_s`)."""
         self.stop_accepting()
         deadline = time.monotonic() + timeout_s

@@ -14,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from channel.client import LinkLost, ReplyFailed, ReplyStream
+from channel.client import ReplyStream
 from channel.frames import AdapterRef, Head, Usage
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
 from orchestrator.gateway.http import Responder
+from tokenfab.errors import LinkLost, ReplyFailed
 
 
 @dataclass(slots=True)
@@ -98,10 +99,11 @@ async def _end(stream: ReplyStream, timeout_s: float, clock: TokenClock | None =
                 raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s")
             try:
                 return await asyncio.wait_for(asyncio.shield(stream.end), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if clock is None:
                     stream.cancel()
-                    raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s")
+                    raise GatewayError(504, f"no reply from the engine within {timeout_s:g} s") \
+                        from None
     except ReplyFailed as exc:
         raise ReplicaFailed(stream.replica, f"engine replica failed: {exc}; retry") from exc
     except LinkLost as exc:

@@ -30,9 +30,10 @@ from orchestrator.gateway.http import HttpRequest, Responder
 from orchestrator.gateway.metrics import UNKNOWN_MODEL, UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.gateway.relay import Call
 from orchestrator.config import Topology
-from pools.tokenizer import PromptError, PromptTokenCounter
+from pools.tokenizer import PromptTokenCounter
 from channel.frames import AdapterRef
 from router.wire import RouteKey
+from tokenfab.errors import PromptError
 
 # Under Serve's logger, so lines land in the replica's log with Serve's own.
 logger = logging.getLogger("ray.serve").getChild("tokenfab.access")
@@ -302,5 +303,6 @@ class Routes:
                     "cached_tokens=%s",
                     request_id, tenant, model, endpoint, status, 1000 * elapsed, 1000 * queued_s,
                     call.replica if call else "-", usage.prompt_tokens if usage else "-",
-                    usage.completion_tokens if usage else "-", usage.cached_tokens if usage else "-",
+                    usage.completion_tokens if usage else "-",
+                    usage.cached_tokens if usage else "-",
                     extra=ACCESS_LINE)

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.conftest import ROOT, up
-from tests.integration.scaling import running, wait_for
+from tests.integration.scaling import wait_for
 
 ZERO = ROOT / "tests/integration/topology-zero.yaml"
 TO_ZERO_BOUND_S = 60  # 5 s idle, then the drain of the replica

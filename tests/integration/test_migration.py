@@ -177,7 +177,8 @@ def test_registry_entries_outlive_their_writer_and_expire(migrating: Topology) -
     killed, before the soak.)"""
     import ray
 
-    from pools.registry import NAMESPACE_KEY, Registry, _gcs
+    from pools.registry import NAMESPACE_KEY, Registry
+    from tokenfab.ray_compat import gcs_client
 
     address, app = migrating.cluster.address, "registry-expiry-test"
     write = (f"import asyncio, ray; from pools.engine import LoadSnapshot; "
@@ -204,7 +205,7 @@ def test_registry_entries_outlive_their_writer_and_expire(migrating: Topology) -
                 assert time.monotonic() < deadline, "the report did not expire"
                 await asyncio.sleep(0.2)
             key = f"registry/{app}/replica/gone".encode()
-            while await _gcs().async_internal_kv_exists(key, NAMESPACE_KEY, timeout=5):
+            while await gcs_client().async_internal_kv_exists(key, NAMESPACE_KEY, timeout=5):
                 assert time.monotonic() < deadline, "the expired report was not deleted"
                 await short.snapshot()  # the reader deletes it once 18 s unchanged
                 await asyncio.sleep(0.2)

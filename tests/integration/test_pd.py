@@ -194,7 +194,7 @@ def test_client_disconnect_frees_both_engines(pd: PD) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         loads = [report["load"] for report in pd.replicas().values()]
-        if all(l["running"] == l["waiting"] == l["in_flight"] == 0 for l in loads):
+        if all(load["running"] == load["waiting"] == load["in_flight"] == 0 for load in loads):
             break
         time.sleep(0.5)
     else:

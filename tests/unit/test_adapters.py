@@ -22,7 +22,7 @@ from router.adapters import DEFAULT_LOAD_S, AdapterResidency
 from router.index import ReplicaId
 from router.plugins import Candidate, RouteRequest
 from router.policies import build_policy
-from router.scorers import AdapterScorer, AdapterSlotFilter
+from router.scorers import AdapterSlotFilter
 
 ALPHA, BETA = TenantSpec(name="alpha"), TenantSpec(name="beta", models=["base", "pub", "own"])
 BASE = ModelSpec(name="base", path="/m/base", lora={"max_rank": 8, "adapters": [

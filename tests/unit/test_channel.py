@@ -9,9 +9,10 @@ import json
 import pytest
 
 from channel import frames
-from channel.client import LinkLost, ReplicaLink, ReplyFailed
+from channel.client import ReplicaLink
 from channel.frames import FrameReader, Head, Hello, Kind, Refused, Request, Usage
 from tests.unit.replicas import SECRET, ScriptedReplica, Step, streamed, whole
+from tokenfab.errors import LinkLost, ReplyFailed
 
 
 def run(coro):

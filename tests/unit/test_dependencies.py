@@ -47,7 +47,7 @@ def third_party(modules: dict[str, str]) -> dict[str, str]:
 def declared() -> tuple[set[str], set[str]]:
     """Distributions the packages may import, and those everything else may import too."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    name = lambda req: re.split(r"[\[<>=!~; ]", req, 1)[0].lower().replace("_", "-")  # noqa: E731
+    name = lambda req: re.split(r"[\[<>=!~; ]", req, maxsplit=1)[0].lower().replace("_", "-")  # noqa: E731
     core = {name(r) for r in project["dependencies"]}
     extras = {name(r) for group in project["optional-dependencies"].values() for r in group}
     return core, core | extras

@@ -85,7 +85,8 @@ def test_experts_each_finished_request_was_routed_to_are_counted_and_exported() 
     from orchestrator.gateway.pool_metrics import render
     from pools.engine import LoadSnapshot
     from pools.registry import ReplicaReport
-    from pools.vllm_engine import ExpertLoad, _traced
+    from pools.vllm_compat import trace_generate
+    from pools.vllm_engine import ExpertLoad
 
     def output(finished: bool, routed=None):
         choice = SimpleNamespace(token_ids=[7], text="x", routed_experts=routed)
@@ -96,7 +97,7 @@ def test_experts_each_finished_request_was_routed_to_are_counted_and_exported() 
         yield output(True, np.array([[[0, 3], [1, 3]], [[3, 2], [0, 1]]]))  # 2 tokens, 2 layers
 
     experts = ExpertLoad()
-    traced = _traced(generate, experts)
+    traced = trace_generate(generate, experts)
 
     async def drain() -> None:
         async for _ in traced({"prompt_token_ids": [1]}, None, "r1"):

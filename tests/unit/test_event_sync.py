@@ -192,11 +192,12 @@ def test_a_corrupted_batch_without_replay_clears_the_replica(tmp_path: Path) -> 
 
 def test_each_data_parallel_rank_is_followed_on_its_own_endpoint(tmp_path: Path) -> None:
     """vLLM's publisher for rank 1, configured with the replica's ipc endpoints, publishes on
-    the rank's own sockets (pools.kv_event_ranks, as loaded in every engine process); the map
+    the rank's own sockets (pools.vllm_compat.register_rank_event_endpoints, as loaded in every engine process); the map
     keys its blocks by that rank's target. A stream that expects another rank takes none."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    from pools.kv_event_ranks import rank_endpoint, register
+    from pools.vllm_compat import rank_endpoint
+    from pools.vllm_compat import register_rank_event_endpoints as register
     from router.wire import target_id
 
     register()

@@ -79,7 +79,7 @@ def links(request: pytest.FixtureRequest) -> None:
 
 def pool(name: str, *replicas: ScriptedReplica, policy: str = "round_robin",
          max_ongoing: int = 64, wake=None, retries: int = 0, service: RoutingService | None = None,
-         shed_waiting: int | None = None, migrate: bool = True, ranks: dict[str, int] = {},
+         shed_waiting: int | None = None, migrate: bool = True, ranks: dict[str, int] | None = None,
          route_ranks: bool = True) -> PoolDispatcher:
     service = service or RoutingService(name, build_policy(policy), lambda size: None)
 
@@ -91,7 +91,7 @@ def pool(name: str, *replicas: ScriptedReplica, policy: str = "round_robin",
     dispatcher = PoolDispatcher(name, service, max_ongoing, SECRET, "gw", wake or no_wake,
                                 ReplicaDirectory("t"), retries, shed_waiting, migrate, route_ranks,
                                 local)
-    dispatcher.update([with_ranks(r.report(name), ranks.get(r.name, 1)) for r in replicas])
+    dispatcher.update([with_ranks(r.report(name), (ranks or {}).get(r.name, 1)) for r in replicas])
     return dispatcher
 
 

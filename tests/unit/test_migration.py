@@ -17,7 +17,8 @@ from orchestrator.gateway.migration import continuation_body, not_resumable
 from pools.engine import ReplyHead, TokenTrace
 from pools.usage import StreamMeter
 from pools.tiny_model import _hf_tokenizer
-from pools.vllm_engine import _continuing, _resumed, _traced, continue_detokenizer
+from pools.vllm_compat import (_resumed, continue_detokenizer, continue_on_add_request,
+                               trace_generate)
 from tokenfab.errors import EngineDeadError
 
 STREAM = {"model": "tiny", "prompt": "x", "stream": True}
@@ -130,19 +131,19 @@ def test_the_trace_sees_each_output_before_the_serving_layer() -> None:
                 closed.append(True)
         return outputs()
 
-    traced = _traced(generate)
+    traced = trace_generate(generate)
 
     async def scenario() -> None:
-        from pools import vllm_engine
+        from pools import vllm_compat
 
         plain = generate({"type": "token", "prompt_token_ids": [1]}, SamplingParams(), "a")
         assert type(traced({}, SamplingParams(), "a")) is type(plain)  # untraced: the engine's own
         trace = TokenTrace(resume=(3, 4))
-        vllm_engine._TRACE.set(trace)
+        vllm_compat.TRACE.set(trace)
         outputs = traced({"type": "token", "prompt_token_ids": [1, 2]},
                          SamplingParams(max_tokens=9), "b", priority=1)
         seen = []
-        async for output in outputs:
+        async for _ in outputs:
             seen.append(trace.take())
             if len(seen) == 3:
                 break
@@ -226,7 +227,7 @@ def test_vllm_alone_answers_a_prompt_ending_inside_a_character_with_the_prompt(t
 
 
 def test_only_a_resumed_request_gets_its_detokenizer_continued(tokenizer) -> None:
-    from pools import vllm_engine
+    from pools import vllm_compat
 
     states, added = {}, []
 
@@ -235,16 +236,16 @@ def test_only_a_resumed_request_gets_its_detokenizer_continued(tokenizer) -> Non
         states[request.request_id] = SimpleNamespace(
             detokenizer=_detokenizer("fast", tokenizer, request.prompt_token_ids))
 
-    add = _continuing(add_request, states)
+    add = continue_on_add_request(add_request, states)
     prompt, generated = tokenizer.encode("The cost", add_special_tokens=False), \
         _generated(tokenizer)
     cut = next(i for i in range(1, len(generated))
                if tokenizer.decode(generated[:i]).endswith("\ufffd"))
 
     async def scenario() -> tuple[str, str]:
-        vllm_engine._TRACE.set(TokenTrace(resume=tuple(generated[:cut])))
+        vllm_compat.TRACE.set(TokenTrace(resume=tuple(generated[:cut])))
         add(SimpleNamespace(request_id="resumed", prompt_token_ids=prompt + generated[:cut]), None)
-        vllm_engine._TRACE.set(None)
+        vllm_compat.TRACE.set(None)
         add(SimpleNamespace(request_id="new", prompt_token_ids=prompt), None)
         return (_texts(states["resumed"].detokenizer, generated[cut:]),
                 _texts(states["new"].detokenizer, generated))

@@ -56,7 +56,7 @@ class Clocks:
 @pytest.fixture
 def gcs(monkeypatch: pytest.MonkeyPatch) -> FakeGcs:
     fake = FakeGcs()
-    monkeypatch.setattr(registry, "_gcs", lambda: fake)
+    monkeypatch.setattr(registry, "gcs_client", lambda: fake)
     return fake
 
 
