@@ -97,8 +97,7 @@ def test_using_it_runs_as_written(pytestconfig) -> None:
             outputs[command] = result.stdout
             assert result.returncode == 0, f"$ {command}\n{result.stdout}{result.stderr}"
     finally:
-        if len(outputs) < len(commands) or any("tokenfab up" in c for c in outputs) and \
-                not any("--stop-ray" in c for c in outputs):
+        if len(outputs) < len(commands):  # stopped early: leave nothing behind
             subprocess.run(".venv/bin/tokenfab down --stop-ray", shell=True, cwd=ROOT, env=ENV,
                            capture_output=True, timeout=300)
     assert outputs[commands[0]].strip() == "ok"  # stdout; libraries' notices go to stderr
