@@ -24,7 +24,8 @@ class RouterSpec(_Strict):
         "the TTFT target (ttft_target_s), and new "
         "prompts placed where the prefix caches have the most free or cold room. "
         "prefix_approx: prefix affinity from the router's own past decisions, balanced by queue "
-        "length. round_robin: in turn. least_loaded: power of two choices on requests in flight "
+        "length. round_robin: in turn, one turn per node shared by its ingresses. "
+        "least_loaded: power of two choices on requests in flight "
         "(Ray Serve's default router).",
     )
     weights: dict[str, float] = Field(

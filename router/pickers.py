@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Sequence
 
 from router.index import ReplicaId
 from router.plugins import Candidate
+from router.turn import Turn, local_turn
 
 
 class MaxScorePicker:
@@ -35,15 +35,17 @@ class MaxScorePicker:
 
 
 class RoundRobinPicker:
-    """Ignores scores: the next replica in turn (by replica id), the others after it.
+    """Ignores scores: the next replica in turn (by replica id), the others after it. `turn`
+    draws the turn's tickets (router/turn.py: one shared by a node's ingresses); by default this
+    picker's own.
 
     Example: replicas [a, b, c] over three requests -> a, b, c first in turn.
     """
 
     name = "round_robin"
 
-    def __init__(self) -> None:
-        self._turn = itertools.count()
+    def __init__(self, turn: Turn | None = None) -> None:
+        self._turn = turn or local_turn()
         self._offered: list[ReplicaId] = []  # the replicas of the last rank_ids, and in order
         self._ordered: list[ReplicaId] = []
 
@@ -60,7 +62,7 @@ class RoundRobinPicker:
         if replicas != self._offered:
             self._offered, self._ordered = list(replicas), sorted(replicas)
         ordered = self._ordered
-        start = next(self._turn) % len(ordered)
+        start = self._turn() % len(ordered)
         return ordered[start:] + ordered[:start]
 
 

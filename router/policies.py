@@ -14,6 +14,7 @@ from router.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker
 from router.index import ReplicaId
 from router.plugins import Candidate, Filter, Picker, RouteRequest
 from router.scorers import SCORERS, AdapterSlotFilter, OverloadFilter, TTFTTargetFilter
+from router.turn import Turn
 
 # Default scorer weights of each score-based policy; `router.weights` in a topology replaces them.
 DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
@@ -143,16 +144,16 @@ def build_policy(name: str, weights: Mapping[str, float] | None = None, *,
                  max_in_flight: int | None = None, ttft_target_s: float = 0.0,
                  tolerance: float = 0.05,
                  max_candidates: int = DEFAULT_MAX_CANDIDATES,
-                 rng: random.Random | None = None) -> Policy:
+                 rng: random.Random | None = None, turn: Turn | None = None) -> Policy:
     """The policy called `name` in a topology file, with optional scorer weights. Score-based
     policies skip replicas with `max_in_flight` requests in flight (None: each engine's
     max_num_seqs); kv_aware also those estimated past `ttft_target_s` (0: no target), while
-    others are not."""
+    others are not. round_robin draws its turn from `turn` (default: its own)."""
     if name not in DEFAULT_WEIGHTS:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(DEFAULT_WEIGHTS)}")
     rng = rng or random.Random()
     if name == "round_robin":
-        return Policy(name, [], {}, RoundRobinPicker())
+        return Policy(name, [], {}, RoundRobinPicker(turn))
     if name == "least_loaded":  # Ray Serve's default router: power of two choices on queue length
         return Policy(name, [], DEFAULT_WEIGHTS[name], PowerOfTwoPicker(rng),
                       max_candidates=max_candidates, rng=rng)

@@ -41,6 +41,7 @@ from router.hashing import PrefixBlockHasher
 from router.metrics import RouterMetrics
 from router.policies import build_policy
 from router.service import RoutingService
+from router.turn import shared_turn
 from tokenfab.ray_compat import bind_serve_grpc_to_node_address
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.gateway")
@@ -54,10 +55,13 @@ def routing_service(topology: Topology, pool: PoolSpec, metrics: RouterMetrics,
     spec = topology.router
     target = topology.targets(pool).ttft_p90_s if spec.ttft_target_s is None \
         else spec.ttft_target_s
-    policy = build_policy(routing_policy(topology, pool), spec.weights,
+    name = routing_policy(topology, pool)
+    policy = build_policy(name, spec.weights,
                           max_in_flight=spec.max_in_flight, ttft_target_s=target,
                           tolerance=spec.tie_tolerance,
-                          max_candidates=spec.max_candidates)
+                          max_candidates=spec.max_candidates,
+                          turn=shared_turn(topology.name, pool.name) if name == "round_robin"
+                          else None)
     hash_algo = str(topology.engine_args.get("prefix_caching_hash_algo", "sha256"))
 
     def hasher(block_size: int) -> PrefixBlockHasher:

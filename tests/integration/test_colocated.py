@@ -73,6 +73,24 @@ def test_each_replica_serves_http_and_places_on_itself_and_the_other(
             placed |= {(ingress["replica"], replica) for replica in served}
 
 
+def test_requests_taken_by_either_ingress_alternate_replicas(colocated: Topology) -> None:
+    """Both ingresses draw round robin's turn from one node-wide ticket (router/turn.py): each
+    request goes to the other replica than the one before, whichever listener took it."""
+    root = gateway_url(colocated)
+    body = {"model": "tiny", "prompt": PROMPTS[CASE].prompt, "max_tokens": 1}
+    seen: list[tuple[str, str]] = []  # (ingress, replica that served)
+    deadline = time.monotonic() + 120
+    while sum(a[0] != b[0] for a, b in zip(seen, seen[1:])) < 4:
+        assert time.monotonic() < deadline, f"the listeners took: {seen}"
+        with httpx.Client(base_url=root, trust_env=False, timeout=120) as client:  # a new one
+            ingress = client.get("/tokenfab/router", headers=ADMIN).json()["ingress"]["replica"]
+            response = client.post("/v1/completions", headers=TENANT, json=body)
+            assert response.status_code == 200, response.text
+            seen.append((ingress, response.headers["x-tokenfab-replica"]))
+    repeats = [i for i in range(1, len(seen)) if seen[i][1] == seen[i - 1][1]]
+    assert not repeats, f"the same replica twice in a row at {repeats}: {seen}"
+
+
 def test_a_colocated_ingress_still_asks_for_a_key(colocated: Topology) -> None:
     response = httpx.post(f"{gateway_url(colocated)}/v1/completions", trust_env=False,
                           timeout=30, json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
