@@ -52,8 +52,10 @@ no sooner, so neither does any TTFT percentile.
 
 The client runs in a scheduling group of its own at a raised priority and each stack in one
 session (one group) of its own, so no system gains or loses by how it groups its processes (see
-`machine.prioritise_client`); `--unprioritised` leaves the client in the shell's group at its
-priority (to reproduce a co-located client's stalls). Before each replay the script waits (up to
+`machine.prioritise_client`), and its event loop stays on one core during replays
+(`--client-core`, see `machine.on_core`: woken on both cores, it waited up to 240 ms behind two
+ingresses); `--unprioritised` leaves the client in the shell's group at its priority, on any
+core (to reproduce a co-located client's stalls). Before each replay the script waits (up to
 5 min) until processes outside the stack under test use under 15% of a core, and it repeats
 (twice at most, in a fresh namespace) a replay during which they used more than
 `--max-other-pct` (10%) of a core.
@@ -92,8 +94,8 @@ from h2h_client import MAX_TOKENS, one_at_a_time, replay, warm_up
 from h2h_figures import pct, record, with_goodput
 from h2h_report import markdown, plot, ratios
 from harness import deployed, remove
-from machine import (check_loopback, prioritise_client, renice_engines, stray_processes,
-                     unprioritised, waited_for_cpu_s, wait_quiet)
+from machine import (check_loopback, client_core, on_core, prioritise_client, renice_engines,
+                     stray_processes, unprioritised, wait_quiet, waited_for_cpu_s)
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
 from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root, single_token_words,
@@ -128,14 +130,15 @@ class Front:
 # --- Measuring one run ------------------------------------------------------------------------
 
 def measure(front: Front, requests: list[dict[str, Any]], prompts: Prompts, rate: float,
-            profile: Path | None) -> dict[str, Any]:
+            profile: Path | None, client_core: int | None) -> dict[str, Any]:
     """Replay at `rate` through the front; the results and every process's CPU over the window."""
     before = process_cpu.snapshot()
     profiler = process_cpu.profile_dataplane(
         front.pids, f"{front.system}-{front.policy}-{rate:g}", before, profile) \
         if profile else None
     started, client_waited = time.monotonic(), waited_for_cpu_s()  # the event loop's thread
-    results = asyncio.run(replay(front.url, requests, prompts, rate))
+    with on_core(client_core):
+        results = asyncio.run(replay(front.url, requests, prompts, rate))
     window, client_waited = time.monotonic() - started, waited_for_cpu_s() - client_waited
     after = process_cpu.snapshot()
     if profiler:
@@ -252,7 +255,8 @@ class Bench:
         idle = wait_quiet(front.pids)
         print(f"{front.system} {front.policy} at {rate:g} req/s: replaying "
               f"{len(self.requests)} requests")
-        run = measure(front, self.requests, Prompts(self.words, namespace), rate, profile)
+        run = measure(front, self.requests, Prompts(self.words, namespace), rate, profile,
+                      self.args.core)
         other = sum(used for pid, (_, used) in run["cpu"].items()
                     if run["categories"].get(pid, "other") == "other")
         return run | {"system": front.system, "policy": front.policy, "rate": rate,
@@ -277,9 +281,10 @@ class Bench:
             engine = start_engine(session, str(Path(MODEL).expanduser()), 0, FLOOR_PORT, big, logs)
             wait_ready(url, engine, 900, "/health")
             warm_up(url, self.requests, Prompts(self.words, 9_000))
-            passes = [asyncio.run(one_at_a_time(url, self.requests,
-                                                Prompts(self.words, 9_001 + i)))
-                      for i in range(FLOOR_PASSES)]
+            with on_core(self.args.core):
+                passes = [asyncio.run(one_at_a_time(url, self.requests,
+                                                    Prompts(self.words, 9_001 + i)))
+                          for i in range(FLOOR_PASSES)]
         finally:
             session.close()
         bad = [r for run in passes for r in run if r["status"] != 200 or not r["chunks"]]
@@ -386,6 +391,10 @@ def main() -> None:
                         "(whether the engines lose time to the processes beside them)")
     parser.add_argument("--client-nice", type=int, default=-10,
                         help="the client's scheduling priority (see machine.prioritise_client)")
+    parser.add_argument("--client-core", default="last",
+                        help="the core the client's event loop runs on during replays: 'last' "
+                        "(default), a number, or 'none' (see machine.on_core; --unprioritised "
+                        "leaves it to the kernel)")
     parser.add_argument("--report", default="", help="only rewrite the report (medians, "
                         "goodput, ratios, Markdown, chart) from this results JSON")
     args = parser.parse_args()
@@ -393,6 +402,8 @@ def main() -> None:
         finish(json.loads(Path(args.report).read_text()), Path(args.out or args.report))
         return
     scheduling = unprioritised() if args.unprioritised else prioritise_client(args.client_nice)
+    args.core = None if args.unprioritised else client_core(args.client_core)
+    scheduling["client_core"] = args.core
     began = time.monotonic()
     rates = [float(r) for r in args.rates.split(",")]
     systems, policies = args.systems.split(","), set(filter(None, args.policies.split(",")))

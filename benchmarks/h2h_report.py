@@ -123,8 +123,11 @@ def _scheduling(scheduling: dict[str, Any]) -> str:
               "`prioritise_client` in machine.py)" if scheduling.get("prioritised", True) else
               f"the client unprioritised: in the shell's group at nice "
               f"{scheduling['client_nice']} (`--unprioritised`)")
+    core = scheduling.get("client_core")
+    pinned = "" if core is None else \
+        f"; during replays its event loop stays on core {core} (see `on_core` in machine.py)"
     return (f"Scheduling: each stack in one session of its own (one autogroup: autogroups "
-            f"{'on' if scheduling['autogroup'] else 'off'}), {client}.")
+            f"{'on' if scheduling['autogroup'] else 'off'}), {client}{pinned}.")
 
 
 def _window(result: dict[str, Any]) -> str:

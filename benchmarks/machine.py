@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,42 @@ def prioritise_client(nice: int) -> dict[str, Any]:
               "may dominate latencies")
         applied["client_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
     return applied
+
+
+def client_core(choice: str) -> int | None:
+    """The core `--client-core` names: "last" (the highest this process may run on), "none"
+    (the kernel places the client), or a core's number."""
+    if choice == "none":
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[-1] if choice == "last" else int(choice)
+    if core not in allowed:
+        raise ValueError(f"--client-core {choice}: this process may run on {allowed} only")
+    return core
+
+
+@contextmanager
+def on_core(core: int | None) -> Iterator[None]:
+    """The calling thread (a replay's event loop) kept on `core` while the block runs, and
+    allowed where it was after it; None: left to the kernel.
+
+    Why: a client in a scheduling group of its own is woken on the CPU of whatever wrote to its
+    sockets, and a group's weight on each CPU follows its recent load there. Two ingresses
+    (`gateway.colocate`), one on each core, wake it on both. Measured with `perf sched record`
+    (2026-12-07, 6 req/s, no-reuse window): behind tokenfab it ran 4,853 times on one core and
+    346 on the other, and 17 of its 19 waits over 30 ms were on the other (up to 240 ms; 3.9 s
+    in all); behind sglang-router's one process, at most 10 ms (0.3 s in all). Every stream it
+    held showed such a wait as one gap, then a burst of tokens. Kept on one core it waited 0.8 s
+    and 0.6 s, and no burst was left. Every system's client is kept on the same core."""
+    if core is None:
+        yield
+        return
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def unprioritised() -> dict[str, Any]:
