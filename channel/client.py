@@ -132,7 +132,9 @@ class ReplicaLink(asyncio.Protocol):
 
     async def _connected(self, loop: asyncio.AbstractEventLoop) -> bytes:
         await loop.create_connection(lambda: self, self.host, self.port)
-        return await self._challenge
+        challenge = self._challenge
+        assert challenge is not None  # connect sets it before it dials
+        return await challenge
 
     def cancel(self, stream: ReplyStream) -> None:
         if self._streams.pop(stream.id, None) is not None:
@@ -163,7 +165,8 @@ class ReplicaLink(asyncio.Protocol):
             for kind, stream_id, payload in self._reader.feed(data):
                 self._frame(kind, stream_id, payload)
         except frames.ProtocolError:
-            self._transport.close()
+            if self._transport is not None:
+                self._transport.close()
 
     def _frame(self, kind: int, stream_id: int, payload: bytes) -> None:
         challenge = self._challenge

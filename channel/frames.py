@@ -35,10 +35,11 @@ import hmac
 import struct
 from collections.abc import Iterator
 from enum import IntEnum
+from typing import Literal, overload
 
 import msgspec
 
-from tokenfab.errors import ProtocolError
+from tokenfab.errors import ProtocolError as ProtocolError  # raised as frames.ProtocolError
 
 HEADER = struct.Struct("!IIB")
 MAX_PAYLOAD = 64 << 20  # a frame larger than this is a protocol error (request bodies are capped)
@@ -189,9 +190,35 @@ _decoders = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in (
     (Kind.ADAPTERS, Adapters))}
 
 
+@overload
+def decode(kind: Literal[Kind.HELLO], payload: bytes) -> Hello: ...
+@overload
+def decode(kind: Literal[Kind.REQUEST], payload: bytes) -> Request: ...
+@overload
+def decode(kind: Literal[Kind.HELD], payload: bytes) -> Held: ...
+@overload
+def decode(kind: Literal[Kind.HEAD], payload: bytes) -> Head: ...
+@overload
+def decode(kind: Literal[Kind.END], payload: bytes) -> Usage: ...
+@overload
+def decode(kind: Literal[Kind.TOKENS], payload: bytes) -> Tokens: ...
+@overload
+def decode(kind: Literal[Kind.REFUSED], payload: bytes) -> Refused: ...
+@overload
+def decode(kind: Literal[Kind.FAILED], payload: bytes) -> Failed: ...
+@overload
+def decode(kind: Literal[Kind.STATE], payload: bytes) -> State: ...
+@overload
+def decode(kind: Literal[Kind.CHALLENGE], payload: bytes) -> Challenge: ...
+@overload
+def decode(kind: Literal[Kind.OPEN], payload: bytes) -> Open: ...
+@overload
+def decode(kind: Literal[Kind.ADAPTERS], payload: bytes) -> Adapters: ...
 def decode(kind: Kind, payload: bytes) -> msgspec.Struct:
+    """The payload of a frame of `kind`, as its struct; ProtocolError if it is not one."""
     try:
-        return _decoders[kind].decode(payload)
+        decoded: msgspec.Struct = _decoders[kind].decode(payload)
+        return decoded
     except (KeyError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"bad {kind!r} payload: {exc}") from exc
 

@@ -72,7 +72,7 @@ class LocalLink:
         self.state = "ready"  # -> draining -> closed, as the replica's server says
         self.held = 0  # requests the gateway of this process holds for the pool
         self._streams: dict[int, ReplyStream] = {}
-        self._tasks: dict[int, asyncio.Task] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
         self._ids = itertools.count(1)
         self.on_state = None
         self.adapters: Adapters | None = None  # as the replica last said (None: it has not)
@@ -133,7 +133,7 @@ class LocalLink:
         for task in list(self._tasks.values()):
             task.cancel()
 
-    def _finished(self, stream: ReplyStream, reply: LocalReply, task: asyncio.Task) -> None:
+    def _finished(self, stream: ReplyStream, reply: LocalReply, task: asyncio.Task[None]) -> None:
         """As `channel.server._Connection._finished`: the slot is freed exactly once, and a
         handler that ended without an end becomes a failed reply."""
         self._tasks.pop(stream.id, None)

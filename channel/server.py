@@ -55,6 +55,22 @@ class Reply:
         self._connection.send(Kind.FAILED, self._stream, frames.encode(Failed(message)))
 
 
+class ReplySink(Protocol):
+    """Where a handler writes one request's reply: `head` once, then `data` or `tokens` any number
+    of times, then `end` with the usage or `failed` (Reply over a connection, LocalReply in the
+    same process)."""
+
+    def head(self, status: int, streaming: bool, replica_id: str) -> None: ...
+
+    def data(self, chunk: bytes, token: bool = False) -> None: ...
+
+    def tokens(self, chunk: bytes, ids: list[int]) -> None: ...
+
+    def end(self, usage: Usage) -> None: ...
+
+    def failed(self, message: str) -> None: ...
+
+
 class Handler(Protocol):
     """What serves requests arriving on the channel. All three run on the server's loop.
 
@@ -66,7 +82,7 @@ class Handler(Protocol):
 
     def admit(self) -> str | None: ...
 
-    async def serve(self, request: Request, reply: Reply) -> None: ...
+    async def serve(self, request: Request, reply: ReplySink) -> None: ...
 
     def release(self) -> None: ...
 
@@ -80,7 +96,7 @@ class _Connection(asyncio.Protocol):
         self._reader = frames.FrameReader(frames.MAX_HELLO_PAYLOAD)
         self._transport: asyncio.Transport | None = None
         self._writer = frames.FrameWriter()
-        self._tasks: dict[int, asyncio.Task] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
         self.gateway: str | None = None  # set by a valid HELLO
         self.held = 0
         self._nonce = secrets.token_bytes(frames.NONCE_BYTES)  # this connection's challenge
@@ -104,7 +120,8 @@ class _Connection(asyncio.Protocol):
                 self._frame(kind, stream, payload)
         except frames.ProtocolError as exc:
             logger.warning("closing channel from %s: %s", self.gateway or "unknown peer", exc)
-            self._transport.close()
+            if self._transport is not None:
+                self._transport.close()
 
     def _frame(self, kind: int, stream: int, payload: bytes) -> None:
         if self._opened is None:
@@ -147,7 +164,7 @@ class _Connection(asyncio.Protocol):
         self._tasks[stream] = task
         task.add_done_callback(partial(self._finished, stream, reply))
 
-    def _finished(self, stream: int, reply: Reply, task: asyncio.Task) -> None:
+    def _finished(self, stream: int, reply: Reply, task: asyncio.Task[None]) -> None:
         self._tasks.pop(stream, None)
         self._server.handler.release()
         if task.cancelled() or reply.done:
@@ -186,7 +203,8 @@ class ChannelServer:
         """Bind and listen; returns the port (a free one when `port` is 0)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port)
-        return self._server.sockets[0].getsockname()[1]
+        bound: int = self._server.sockets[0].getsockname()[1]
+        return bound
 
     def local_link(self, replica_id: str) -> LocalLink:
         """A link for a gateway in this process: its requests reach `handler` as calls."""

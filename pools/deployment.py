@@ -20,7 +20,7 @@ import ray
 from ray import serve
 
 from channel.secret import channel_secret, event_keys
-from channel.server import ChannelServer, Reply, Request
+from channel.server import ChannelServer, ReplySink, Request
 from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
@@ -192,7 +192,7 @@ class PoolReplica:
     def release(self) -> None:
         self._in_flight -= 1
 
-    async def serve(self, request: Request, reply: Reply) -> None:
+    async def serve(self, request: Request, reply: ReplySink) -> None:
         """One request from a gateway: the engine's reply, relayed as it comes, then its usage."""
         body, keep_usage = with_stream_usage(msgspec.json.decode(request.body))
         resume = request.resume

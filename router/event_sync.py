@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -40,7 +41,7 @@ class EventCredentials:
     public_key: bytes
     secret_key: bytes
 
-    def apply(self, socket: zmq.Socket, endpoint: str) -> None:
+    def apply(self, socket: zmq.Socket[Any], endpoint: str) -> None:
         if endpoint.startswith("tcp://"):
             socket.curve_serverkey = self.server_key
             socket.curve_publickey = self.public_key
@@ -118,7 +119,7 @@ class ReplicaEventStream:
     async def poll(self, timeout_s: float = 0.0) -> int:
         """Apply every batch that arrives within `timeout_s`; returns how many were applied."""
         applied = 0
-        while await self._socket.poll(int(1000 * timeout_s) if applied == 0 else 0, zmq.POLLIN):
+        while await self._socket.poll(int(1000 * timeout_s) if applied == 0 else 0):  # POLLIN
             _topic, seq_frame, payload = await self._socket.recv_multipart()
             applied += await self._receive(decode_seq(seq_frame), payload)
         return applied
@@ -159,7 +160,8 @@ class ReplicaEventStream:
         replayed = await self._replay(start, stop)
         complete = replayed is not None and len(replayed) == stop - start and all(
             seq == start + i for i, (seq, _) in enumerate(replayed))
-        if not complete or not all(self._apply(seq, payload) for seq, payload in replayed):
+        if replayed is None or not complete or not all(self._apply(seq, payload)
+                                                       for seq, payload in replayed):
             self._clear()
             self._next_seq = stop
             return 0
@@ -183,8 +185,8 @@ class ReplicaEventStream:
         try:
             socket.connect(self.replay_endpoint)
             await socket.send_multipart((b"", start.to_bytes(8, "big")))
-            batches = []
-            while await socket.poll(timeout_ms, zmq.POLLIN):
+            batches: list[tuple[int, bytes]] = []
+            while await socket.poll(timeout_ms):  # POLLIN
                 _empty, _topic, seq_frame, payload = await socket.recv_multipart()
                 if seq_frame == END_SEQ:
                     return batches

@@ -16,7 +16,7 @@ import msgspec
 
 # A block hash as the engine reports it (bytes or int, depending on the hash algorithm); not
 # interchangeable with hashes the router computes itself.
-EngineBlockHash = NewType("EngineBlockHash", bytes | int)
+EngineBlockHash = NewType("EngineBlockHash", bytes | int)  # type: ignore[valid-newtype]  # a union
 
 NULL = msgspec.Raw(msgspec.msgpack.encode(None))  # an encoded field that holds None
 NO_TOKENS = msgspec.Raw(msgspec.msgpack.encode([]))  # the token ids of an event made here

@@ -50,7 +50,8 @@ def _cbor(value: Any) -> bytes:
 def _xxh3(data: bytes) -> bytes:
     import xxhash
 
-    return xxhash.xxh3_128_digest(data)
+    digest: bytes = xxhash.xxh3_128_digest(data)
+    return digest
 
 
 def _sha256(data: bytes) -> bytes:
@@ -81,7 +82,7 @@ class PrefixBlockHasher:
                              f"(one of {', '.join(_ALGORITHMS)})")
         serialise, digest, cryptographic = _ALGORITHMS[hash_algo]
         self.block_size = block_size
-        self._hash = lambda value: digest(serialise(value))
+        self._hash: Callable[[object], bytes] = lambda value: digest(serialise(value))
         seed = os.getenv("PYTHONHASHSEED")
         if seed is None:
             seed = DEFAULT_SEED if cryptographic else os.urandom(32).hex()

@@ -115,3 +115,10 @@ class Picker(Protocol):
     name: str
 
     def rank(self, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Candidate]: ...
+
+
+class IdPicker(Picker, Protocol):
+    """A picker that reads nothing of the candidates (round robin) and so can order bare ids,
+    without a snapshot per replica."""
+
+    def rank_ids(self, replicas: Sequence[ReplicaId]) -> list[ReplicaId]: ...

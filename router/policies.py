@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from router.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker
 from router.index import ReplicaId
-from router.plugins import Candidate, Filter, Picker, RouteRequest
+from router.plugins import Candidate, Filter, IdPicker, Picker, RouteRequest
 from router.scorers import SCORERS, AdapterSlotFilter, OverloadFilter, TTFTTargetFilter
 from router.turn import Turn
 
@@ -77,7 +77,7 @@ class Policy:
 
     def rank_ids(self, replicas: Sequence[ReplicaId]) -> list[ReplicaId]:
         """The order of preference where `ranks_ids`; what `rank` would give, as ids."""
-        return self.picker.rank_ids(replicas)
+        return cast(IdPicker, self.picker).rank_ids(replicas)
 
     @property
     def reads_block_map(self) -> bool:

@@ -63,7 +63,7 @@ class RoutingService:
         self._churn = CacheChurn(clock=clock)
         self._views: dict[ReplicaId, ReplicaView] = {}
         self._streams: dict[ReplicaId, ReplicaEventStream] = {}
-        self._tasks: dict[ReplicaId, asyncio.Task] = {}
+        self._tasks: dict[ReplicaId, asyncio.Task[None]] = {}
         self._hashers: dict[int, BlockHasher] = {}
         self._context: zmq.asyncio.Context | None = None
         self._counted: dict[ReplicaId, tuple[int, int, int]] = {}
@@ -399,6 +399,8 @@ class RoutingService:
         self._index.apply(replica, batch)
 
     def _follow(self, view: ReplicaView) -> None:
+        """Follow the events of a replica that publishes them (`kv_events_endpoint` set)."""
+        assert view.kv_events_endpoint is not None
         if self._context is None:
             self._context = zmq.asyncio.Context()
         stream = ReplicaEventStream(view.replica, view.kv_events_endpoint,
@@ -410,7 +412,7 @@ class RoutingService:
         task.add_done_callback(self._stream_ended)
         self._tasks[view.replica] = task
 
-    def _stream_ended(self, task: asyncio.Task) -> None:
+    def _stream_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return
         replica = next((r for r, t in self._tasks.items() if t is task), None)

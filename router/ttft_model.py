@@ -106,7 +106,7 @@ class TTFTModel:
         return math.exp(fade * s.log_ratio / (fade * s.weight + self.speed_prior_samples))
 
     def _fade(self, speed: _Speed, now: float) -> float:
-        return 0.5 ** (max(0.0, now - speed.at) / self.speed_half_life_s)
+        return math.pow(0.5, max(0.0, now - speed.at) / self.speed_half_life_s)
 
     def params(self, replica: ReplicaId, now: float | None = None) -> TTFTParams:
         """The replica's law (`now`: the clock's reading, when the caller has it already)."""

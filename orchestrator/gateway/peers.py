@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from channel.client import ReplicaLink
 from channel.frames import Request, Usage
-from channel.server import ChannelServer, Reply
+from channel.server import ChannelServer, ReplySink
 from orchestrator.gateway.dispatch import ReplicaDirectory
 from pools.registry import INGRESS_TTL_S, IngressReport
 
@@ -43,7 +43,7 @@ class _SeriesHandler:
     def admit(self) -> str | None:
         return None
 
-    async def serve(self, request: Request, reply: Reply) -> None:
+    async def serve(self, request: Request, reply: ReplySink) -> None:
         if request.endpoint != SERIES:
             reply.failed(f"unknown request {request.endpoint!r}")
             return

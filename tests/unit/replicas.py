@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from channel.frames import Request, Usage
-from channel.server import ChannelServer, Reply
+from channel.server import ChannelServer, ReplySink
 from pools.engine import LoadSnapshot
 from pools.registry import ReplicaReport
 
@@ -76,7 +76,7 @@ class ScriptedReplica:
     def release(self) -> None:
         self.in_flight -= 1
 
-    async def serve(self, request: Request, reply: Reply) -> None:
+    async def serve(self, request: Request, reply: ReplySink) -> None:
         self.requests.append((request.endpoint, json.loads(request.body)))
         self.received.append(request)
         script = self.scripts[0] if len(self.scripts) == 1 else self.scripts.pop(0)
