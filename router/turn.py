@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -69,8 +70,7 @@ class SharedTurn:
 
     def _draw(self) -> int:
         if self._fd is None:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._fd = _open_private(self.path)
         os.write(self._fd, b"\0")
         ticket = os.lseek(self._fd, 0, os.SEEK_CUR)
         if ticket >= WRAP_BYTES:
@@ -81,6 +81,17 @@ class SharedTurn:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _open_private(path: Path) -> int:
+    """`path` opened for appending, in a directory only this user can write, never through a
+    link: /dev/shm is shared, and a directory or link planted there by another user must not
+    make this process append to a file of their choosing. OSError otherwise."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    owner = path.parent.lstat()
+    if not stat.S_ISDIR(owner.st_mode) or owner.st_uid != os.getuid() or owner.st_mode & 0o022:
+        raise PermissionError(f"{path.parent} is not a directory of this user's alone")
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 
 
 def shared_turn(application: str, pool: str) -> SharedTurn:

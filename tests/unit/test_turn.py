@@ -46,6 +46,23 @@ def test_an_unwritable_turn_becomes_the_process_own(tmp_path: Path,
     assert "turn of its own" in caplog.text and str(tmp_path / "file" / "t") in caplog.text
 
 
+def test_a_turn_is_never_drawn_through_another_user_s_directory_or_a_link(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # as a directory planted in /dev/shm for others to write
+    assert [SharedTurn(shared / "t")() for _ in range(2)] == [0, 0]  # each a turn of its own
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "t").symlink_to(victim)
+    turn = SharedTurn(private / "t")
+    assert [turn(), turn()] == [0, 1]
+    assert victim.read_text() == "kept"
+    assert "this user's alone" in caplog.text
+
+
 def test_turns_are_per_application_and_pool(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENFAB_TURN_DIR", str(tmp_path))
