@@ -85,13 +85,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 import process_cpu
 from baseline_stack import (Session, kv_bytes_per_token, reset_prefix_caches, routed,
                             start_engine, wait_ready)
 from h2h_client import MAX_TOKENS, one_at_a_time, replay, warm_up
-from h2h_figures import pct, record, with_goodput
+from h2h_figures import pct, record, ttft_p90, with_goodput
 from h2h_report import markdown, plot, ratios
 from harness import deployed, remove
 from machine import (check_loopback, client_core, on_core, prioritise_client, renice_engines,
@@ -152,13 +151,6 @@ def measure(front: Front, requests: list[dict[str, Any]], prompts: Prompts, rate
 
 
 # --- tokenfab ---------------------------------------------------------------------------------
-
-def summarize_ttft_p90(run: dict[str, Any]) -> tuple[float | None, int]:
-    """A replay's TTFT p90 over the requests that streamed a token, and how many did not."""
-    firsts = [r["chunks"][0][0] for r in run["results"] if r["status"] == 200 and r["chunks"]]
-    p90 = float(np.percentile(firsts, 90)) if firsts else None
-    return p90, len(run["results"]) - len(firsts)
-
 
 def topology(policy: str, kv_cache: str, colocate: bool = False) -> Topology:
     return parse_topology({
@@ -230,7 +222,7 @@ class Bench:
         rate, probes = max(self.rates), []
         for step in range(8):
             run = self._clean_replay(front, rate, 700_000 + 10 * step, None)
-            p90 = summarize_ttft_p90(run)
+            p90 = ttft_p90(run)
             probes.append({"rate_rps": rate, "ttft_p90_s": p90[0], "failed": p90[1]})
             print(f"   knee probe: {rate:g} req/s, TTFT p90 {p90[0]}, failed {p90[1]}")
             if p90[0] is None or p90[1] or p90[0] > self.slo_s:

@@ -34,6 +34,12 @@ def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def ttft_p90(run: dict[str, Any]) -> tuple[float | None, int]:
+    """A replay's TTFT p90 over the requests that streamed a token, and how many did not."""
+    firsts = [r["chunks"][0][0] for r in run["results"] if r["status"] == 200 and r["chunks"]]
+    return pct(firsts, 90), len(run["results"]) - len(firsts)
+
+
 def stall_clusters(firsts: list[float]) -> int:
     """The most requests whose first tokens fall within `BURST_S` of each other, among requests
     that got all their tokens in one instant (`firsts`: their first tokens' absolute times). A
