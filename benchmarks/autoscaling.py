@@ -17,7 +17,7 @@ The client runs in a scheduling group of its own at nice -10 (`machine.prioritis
 h2h.py's), or the spinning engines starve it and its own delays count as the system's; each record
 says how long it still waited for a CPU (`client_waited_s`).
 
-Each engine gets `--engine-share` of a core (benchmarks/engine_share.py, a CPU cgroup quota), so
+Each engine gets `--engine-share` of a core (benchmarks/common/engine_share.py, a CPU cgroup quota), so
 a replica adds a fixed quantum of compute as an accelerator does and the front-ends keep the rest
 of the machine; `--engine-share 0` leaves engines uncapped (on 2 cores a second engine then
 starves the front-ends, see the note in results/autoscaler.md).
@@ -42,14 +42,14 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.engine_share import EngineShare
+from benchmarks.common.machine import prioritise_client, waited_for_cpu_s
+from benchmarks.common.results import RESULTS
 from orchestrator import cluster, deploy
 from orchestrator.config import Topology, parse_topology
-from engine_share import EngineShare
-from harness import deployed, remove
-from machine import prioritise_client, waited_for_cpu_s
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-RESULTS = Path(__file__).parent / "results"
 SETUPS = ["autoscaler", "static_min", "static_max", "ray_default"]
 PROMPT_WORDS = 40
 OUTPUT_TOKENS = 64

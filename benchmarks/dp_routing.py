@@ -30,13 +30,14 @@ from typing import Any
 
 import httpx
 
-from machine import prioritise_client
+from benchmarks.common.machine import prioritise_client
+from benchmarks.common.results import RESULTS
+from benchmarks.common.traces import (BLOCK_TOKENS, sample_by_root, single_token_words,
+                                      upper_bound_hit_rate)
+from benchmarks.routing import (ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica, replay_rate,
+                                summarize, sweep)
 from orchestrator.config import Topology, parse_topology
-from routing import (ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica, replay_rate,
-                     summarize, sweep)
-from traces import BLOCK_TOKENS, sample_by_root, single_token_words, upper_bound_hit_rate
 
-RESULTS = Path(__file__).parent / "results"
 PLACEMENTS = {"rank_aware": "route", "engine_balancer": "engine"}  # -> router.dp_ranks
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6394",
            "dashboard_url": "http://127.0.0.1:8287", "num_cpus": 2}

@@ -50,14 +50,13 @@ import numpy as np
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback single-node cluster
 
+from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.machine import prioritise_client
+from benchmarks.common.results import RESULTS
 from orchestrator import cluster
 from orchestrator.config import parse_topology
 from orchestrator.gateway.tenancy import hash_key
-from harness import deployed, remove
-from machine import prioritise_client
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
 MODEL_PATH = str(Path("~/.cache/tokenfab/models/tiny-llama").expanduser())
 BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0}
 KEY = "bench-key"

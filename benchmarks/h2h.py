@@ -86,23 +86,22 @@ from pathlib import Path
 from typing import Any
 
 
-import process_cpu
-from baseline_stack import (Session, kv_bytes_per_token, reset_prefix_caches, routed,
-                            start_engine, wait_ready)
-from h2h_client import MAX_TOKENS, one_at_a_time, replay, warm_up
-from h2h_figures import pct, record, ttft_p90, with_goodput
-from h2h_report import markdown, plot, ratios
-from harness import deployed, remove
-from machine import (check_loopback, client_core, on_core, prioritise_client, renice_engines,
-                     stray_processes, unprioritised, wait_quiet, waited_for_cpu_s)
+from benchmarks.common import process_cpu
+from benchmarks.common.baseline import (Session, kv_bytes_per_token, reset_prefix_caches, routed,
+                                        start_engine, wait_ready)
+from benchmarks.common.client import MAX_TOKENS, one_at_a_time, replay, warm_up
+from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.machine import (check_loopback, client_core, on_core, prioritise_client,
+                                       renice_engines, stray_processes, unprioritised, wait_quiet,
+                                       waited_for_cpu_s)
+from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root,
+                                      single_token_words, upper_bound_hit_rate, without_reuse)
+from benchmarks.h2h_figures import pct, record, ttft_p90, with_goodput
+from benchmarks.h2h_report import markdown, plot, ratios
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
-from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root, single_token_words,
-                    upper_bound_hit_rate, without_reuse)
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
-TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 MODEL = "~/.cache/tokenfab/models/tiny-llama"
 SETUPS = (("sglang-router", "round_robin"), ("sglang-router", "cache_aware"),
           ("vllm-router", "cache_aware"), ("tokenfab", "round_robin"), ("tokenfab", "kv_aware"))

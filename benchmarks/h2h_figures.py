@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-import process_cpu
-from h2h_client import MAX_TOKENS
-from intervals import aggregate, goodput
+from benchmarks.common import process_cpu
+from benchmarks.common.client import MAX_TOKENS
+from benchmarks.common.intervals import aggregate, goodput
 
 BURST_S = 0.005  # tokens, or first tokens, this close together arrived in one instant
 

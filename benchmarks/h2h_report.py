@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-import process_cpu
-from intervals import verdict
+from benchmarks.common import process_cpu
+from benchmarks.common.intervals import verdict
 
 
 def _get(records: list[dict[str, Any]], system: str, policy: str, rate: float) -> dict | None:

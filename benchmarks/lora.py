@@ -64,18 +64,19 @@ from typing import Any
 import httpx
 import numpy as np
 
-from baseline_stack import Session, reset_prefix_caches, routed, start_engine, wait_ready
-from h2h_client import no_collection, one_request
-from harness import deployed, remove
-from machine import prioritise_client
+from benchmarks.common.baseline import (Session, reset_prefix_caches, routed, start_engine,
+                                        wait_ready)
+from benchmarks.common.client import no_collection, one_request
+from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.machine import prioritise_client
+from benchmarks.common.results import RESULTS
+from benchmarks.common.traces import BLOCK_TOKENS, Prompts, single_token_words
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
 from orchestrator.pool_config import parse_bytes
 from pools.tiny_lora import adapter_name, ensure_tiny_adapter
 from pools.tiny_model import ensure_tiny_model
-from traces import BLOCK_TOKENS, Prompts, single_token_words
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = Path("~/.cache/tokenfab/models/tiny-llama").expanduser()
 ADAPTERS, MAX_LORAS, RANK = 8, 2, 8
 SYSTEM_PROMPTS, SYSTEM_BLOCKS, USER_BLOCKS, MAX_TOKENS = 2, 12, 2, 32

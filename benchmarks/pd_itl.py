@@ -29,12 +29,12 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.machine import prioritise_client, waited_for_cpu_s
+from benchmarks.common.results import RESULTS
 from orchestrator import cluster
 from orchestrator.config import parse_topology
-from harness import deployed, remove
-from machine import prioritise_client, waited_for_cpu_s
 
-RESULTS = Path(__file__).parent / "results"
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
            "dashboard_url": "http://127.0.0.1:8276", "num_cpus": 2}
 BASE = {

@@ -28,19 +28,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from baseline_stack import Session, reset_prefix_caches, routed, start_engine, wait_ready
-from engine_log import digest
-from h2h_client import MAX_TOKENS, body, replay, warm_up
-from machine import prioritise_client
-from traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root, single_token_words)
-
+from benchmarks.common.baseline import (Session, reset_prefix_caches, routed, start_engine,
+                                        wait_ready)
+from benchmarks.common.client import MAX_TOKENS, body, replay, warm_up
+from benchmarks.common.engine_log import digest
+from benchmarks.common.machine import prioritise_client
+from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root,
+                                      single_token_words)
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
 from sim.loop import EventLoop
 
-RESULTS = Path(__file__).parent / "results"
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
 MODEL = str(Path("~/.cache/tokenfab/models/tiny-llama").expanduser())
 ENGINE_PORTS, ROUTER_PORT, METRICS_PORT = (8144, 8145), 8152, 8162
 ROUTERS = {"sglang": ("sglang-router", "sglang:cache_aware"),
@@ -146,11 +146,9 @@ def main() -> None:
     urls = [f"http://127.0.0.1:{port}" for port in ENGINE_PORTS]
     records = []
     try:
-        here = str(Path(__file__).parent)
         engines = [start_engine(session, MODEL, core, port, 24 << 20, logs,
-                                ("--middleware", "engine_log.RequestLog"),
-                                {"PYTHONPATH": here,
-                                 "ENGINE_REQUEST_LOG": str(logs / f"requests-{port}.jsonl")})
+                                ("--middleware", "benchmarks.common.engine_log.RequestLog"),
+                                {"ENGINE_REQUEST_LOG": str(logs / f"requests-{port}.jsonl")})
                    for core, port in enumerate(ENGINE_PORTS)]
         for url, engine in zip(urls, engines):
             wait_ready(url, engine, 900, "/health")

@@ -20,8 +20,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from benchmarks.common.results import RESULTS
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = Path("~/.cache/tokenfab/models/tiny-llama").expanduser()
 PROMPTS = ["Hello, my name is", "The capital of France", "def fib(n):", "零一二三 unicode ü",
            "river stone light market seven quiet engine paper green north window table"]

@@ -26,22 +26,20 @@ import gc
 import json
 import random
 import time
-from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from benchmarks.common.results import RESULTS, ROOT
 from orchestrator.config import load_topology
-from router.hashing import PrefixBlockHasher
 from pools.tokenizer import PromptTokenCounter
 from router.events import BlockStored, KVEventBatch, decode_batch
+from router.hashing import PrefixBlockHasher
 from router.index import KVBlockIndex, ReplicaId
 from router.policies import build_policy
 from router.service import RoutingService
 from router.wire import ReplicaView, RouteKey
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
 REPLICAS, DOCS, DOC_BLOCKS, SYSTEMS, SYSTEM_BLOCKS, BLOCK = 256, 2000, 512, 100, 128, 16
 KV_BLOCKS = 8192  # each replica's reported capacity: about twice what it holds here
 TARGET_DECISION_P99_MS, TARGET_INGEST = 1.0, 500_000

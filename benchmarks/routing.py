@@ -38,16 +38,14 @@ from collections.abc import Callable, Iterator
 import httpx
 import numpy as np
 
-from harness import deployed, remove
-from machine import prioritise_client
+from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.machine import prioritise_client
+from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.traces import (BLOCK_TOKENS, Prompts, arrival_offsets, lru_hit_rate,
+                                      sample_by_root, single_token_words, upper_bound_hit_rate)
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
-from traces import (BLOCK_TOKENS, Prompts, arrival_offsets, lru_hit_rate, sample_by_root,
-                    single_token_words, upper_bound_hit_rate)
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
-TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 POLICIES = ["round_robin", "least_loaded", "prefix_approx", "kv_aware"]
 ROOT_SHARE, SAMPLE_SEED = 0.06, 0
 WARM_UP_REQUESTS = 16

@@ -32,11 +32,11 @@ from typing import Any
 
 import msgspec
 
-from machine import prioritise_client
-from routing import (RESULTS, ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica, replay_rate,
-                     replays, summarize, sweep, topology)
-from traces import BLOCK_TOKENS, MAX_BLOCKS, sample_by_root, single_token_words, upper_bound_hit_rate
-
+from benchmarks.common.machine import prioritise_client
+from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, sample_by_root, single_token_words,
+                                      upper_bound_hit_rate)
+from benchmarks.routing import (RESULTS, ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica,
+                                replay_rate, replays, summarize, sweep, topology)
 from sim import params as profiles
 from sim import workload
 from sim.calibrate import calibrate, fit_to_replay

@@ -41,9 +41,9 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.streams import Stream, divergence, greedy, stream
+from benchmarks.common.results import RESULTS
+from benchmarks.common.streams import Stream, divergence, greedy, stream
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = "tiny"
 PROCESSES = ("gateway", "replicas", "engines")
 
@@ -344,7 +344,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> None:
     import sys
 
-    from harness import deployed, remove
+    from benchmarks.common.cluster import deployed, remove
     from orchestrator import cluster
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -174,7 +174,7 @@ class OverloadFilter:
     A fixed bound below what the engine batches turns a replica away while it has room: at 64
     in flight (a share of the 1,024 an H100 engine batches), the replica holding a
     conversation's prefix was skipped and each turn recomputed elsewhere
-    (benchmarks/routing_at_scale.py).
+    (benchmarks/simulated/routing_at_scale.py).
 
     Example (max 8): in flight [8, 3] -> only the second remains; [8, 9] -> both remain.
     No max, slots [256, 8]: in flight [100, 8] -> only the first remains.
@@ -203,7 +203,7 @@ class TTFTTargetFilter:
     its holder ahead however long its queue grows. Simulated at 16 H100 replicas, the most
     popular of 16 system prompts (30% of the conversations) kept its holder chosen at estimates
     up to 4x an idle replica's, and the goodput at a TTFT target fell to a tenth of Dynamo's
-    router's (benchmarks/routing_at_scale.py, sessions). Past the target, recomputing the
+    router's (benchmarks/simulated/routing_at_scale.py, sessions). Past the target, recomputing the
     prefix elsewhere is the cheaper miss for the request.
 
     Not always for the pool: near its capacity each recompute is work added and blocks evicted

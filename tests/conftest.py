@@ -24,7 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
     another of CPU for most of a second at a time, and a test would time the machine, not the
     system (measured: a 48-token stream's chunks all reached this process at once after 200-730
     ms on the run queue, though the gateway had written them 5 ms apart). So, as the benchmarks
-    do (`prioritise_client` in benchmarks/machine.py), the client's session group and the process
+    do (`prioritise_client` in benchmarks/common/machine.py), the client's session group and the process
     itself (where autogroups are off) run at CLIENT_NICE, until the session ends."""
     try:
         before = (group := _autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0))

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.common.streams import Stream, divergence, greedy, stream
 from benchmarks.soak import kill_engine, soak
-from benchmarks.streams import Stream, divergence, greedy, stream
 from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.conftest import ROOT, up

@@ -1,16 +1,11 @@
-"""The benchmarks' repeated-run statistics (benchmarks/intervals.py), the no-reuse window
-(benchmarks/traces.py) and the head-to-head's stall clusters (benchmarks/h2h_figures.py)."""
-
-import sys
-from pathlib import Path
+"""The benchmarks' repeated-run statistics (benchmarks/common/intervals.py), the no-reuse window
+(benchmarks/common/traces.py) and the head-to-head's stall clusters (benchmarks/h2h_figures.py)."""
 
 import pytest
 
-from benchmarks.intervals import aggregate, goodput, verdict
-from benchmarks.traces import upper_bound_hit_rate, without_reuse
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from h2h_figures import stall_clusters, with_goodput  # noqa: E402
+from benchmarks.common.intervals import aggregate, goodput, verdict
+from benchmarks.common.traces import upper_bound_hit_rate, without_reuse
+from benchmarks.h2h_figures import stall_clusters, with_goodput
 
 
 def test_aggregate_takes_the_median_and_range_of_each_group_in_first_seen_order():
@@ -83,7 +78,7 @@ def test_without_reuse_keeps_arrivals_and_lengths_and_shares_no_block():
 
 
 def test_sessions_extend_the_conversation_over_a_shared_system_prompt():
-    from routing_at_scale import sessions
+    from benchmarks.simulated.routing_at_scale import sessions
 
     rows = sessions(400, 4, seed=0)
     assert len(rows) == 400 and rows == sessions(400, 4, seed=0)
@@ -107,7 +102,7 @@ def test_sessions_extend_the_conversation_over_a_shared_system_prompt():
     ([0, 1], [0, 0], (0.5, False)),
 ])
 def test_port_agreement_takes_the_better_pairing_of_the_engines(real, sim, expected):
-    from port_fidelity import agreement
+    from benchmarks.port_fidelity import agreement
 
     assert agreement(real, sim) == expected
 
@@ -116,7 +111,7 @@ def test_capacity_counts_each_request_at_the_reuse_bound_and_the_work_spread_per
     """Two 64-token prompts of the same 4 blocks of 16, at 1 ms a token: the first computes 64
     tokens, the second its last block (a prompt held whole still computes one token, so the
     engine computes that block), then 2 decode steps each at 1 ms + 0.5 ms a request in it."""
-    from routing_at_scale import capacity, engine_seconds
+    from benchmarks.simulated.routing_at_scale import capacity, engine_seconds
     from sim.engine import SimRequest
     from sim.params import EngineParams
     from sim.workload import reusable_tokens

@@ -39,9 +39,8 @@ def imported_modules(folder: Path, nested: bool = True) -> dict[str, str]:
 
 
 def third_party(modules: dict[str, str]) -> dict[str, str]:
-    local = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}  # scripts import each other
     return {m: f for m, f in modules.items()
-            if m not in sys.stdlib_module_names and m not in FIRST_PARTY and m not in local}
+            if m not in sys.stdlib_module_names and m not in FIRST_PARTY}
 
 
 def declared() -> tuple[set[str], set[str]]:

@@ -1,9 +1,9 @@
-"""benchmarks/streams.py's comparison of a greedy stream with its uninterrupted reference: a token
+"""benchmarks/common/streams.py's comparison of a greedy stream with its uninterrupted reference: a token
 may differ only at a near-tie of both runs' logprobs, and nothing else may."""
 
 from __future__ import annotations
 
-from benchmarks.streams import NEAR_TIE, Stream, divergence, greedy
+from benchmarks.common.streams import NEAR_TIE, Stream, divergence, greedy
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3}
 

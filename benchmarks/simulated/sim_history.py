@@ -16,7 +16,7 @@ shapes at one steady rate on a static pool of simulated engines, kv_aware routin
 
 Requests arriving in the first --warmup-s are served but not counted.
 
-    .venv/bin/python benchmarks/sim_history.py   # writes benchmarks/results/sim_history.{json,md}
+    .venv/bin/python benchmarks/simulated/sim_history.py   # writes benchmarks/results/sim_history.{json,md}
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from autoscaling import arrivals
+from benchmarks.autoscaling import arrivals
+from benchmarks.common.results import RESULTS
+from benchmarks.simulated.sim_autoscaling import TRACE, requests
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
-from sim_autoscaling import TRACE, requests
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def run(policy: str, capacity: int | None, seed: int, params: profiles.EngineParams,

@@ -28,7 +28,7 @@ pulls timed by bytes over --transfer-gb-s). Setups:
 Replica-seconds count both pools, every replica from its start until it is gone. The plot shows
 each setup's replicas held, and the P/D setups' prefill and decode pools apart.
 
-    .venv/bin/python benchmarks/sim_pd_autoscaling.py [--ramp-s 300]
+    .venv/bin/python benchmarks/simulated/sim_pd_autoscaling.py [--ramp-s 300]
 
 Writes benchmarks/results/sim_pd_autoscaling.{json,md,png}.
 """
@@ -46,6 +46,9 @@ import msgspec
 import numpy as np
 
 from autoscaler.serve_policy import PoolPolicy
+from benchmarks.autoscaling import arrivals
+from benchmarks.simulated.sim_autoscaling import (add_arguments, mark_phases, meets_target, outcome,
+                                                  prepare, requests, save, windows)
 from sim import params as profiles
 from sim.autoscale import SimAutoscaler
 from sim.cluster import SimCluster
@@ -53,9 +56,6 @@ from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.pd import SimPDCluster
 from sim.profile import Capacity, sweep_pd
-from autoscaling import arrivals
-from sim_autoscaling import (add_arguments, mark_phases, meets_target, outcome, prepare,
-                             requests, save, windows)
 
 SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_autoscaler_rise", "pd_reactive", "pd_static",
           "unified_static"]
@@ -239,7 +239,7 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
              if rule == "auto" else "")
     lines = [
         "# Prefill and decode pools autoscaled, simulated", "",
-        f"`python benchmarks/sim_pd_autoscaling.py --phases {args.phases} --rates {args.rates} "
+        f"`python benchmarks/simulated/sim_pd_autoscaling.py --phases {args.phases} --rates {args.rates} "
         f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --pd-min {rule} "
         f"--pd-max {args.pd_max} --pd-static {args.pd_static}{rise} --transfer-gb-s "
         f"{args.transfer_gb_s:g}`: Poisson arrivals of the Mooncake trace's requests, profile "

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import process_cpu
+from benchmarks.common import process_cpu
 
 STRAY = ("raylet", "gcs_server", "VLLM::", "vllm.entrypoints", "sglang", "vllm-router", "::router")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from traces import BLOCK_TOKENS
+from benchmarks.common.traces import BLOCK_TOKENS
 
 _LAUNCHER = """
 import json, os, subprocess, sys

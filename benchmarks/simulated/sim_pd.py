@@ -12,7 +12,7 @@ Per record: TTFT p50/p90/p99, each request's mean inter-token gap (ITL) p50/p90/
 prompt tokens no engine computed (hit rate), output tokens/s, how many requests took the prefill
 leg, the KV pulled and how long pulls took.
 
-    .venv/bin/python benchmarks/sim_pd.py [--replicas 16] [--splits 4:12,8:8]
+    .venv/bin/python benchmarks/simulated/sim_pd.py [--replicas 16] [--splits 4:12,8:8]
 
 Writes benchmarks/results/sim_pd.{json,md,png}.
 """
@@ -28,13 +28,11 @@ from typing import Any
 
 import msgspec
 
+from benchmarks.common.results import RESULTS, TRACE
 from sim import params as profiles
 from sim import pd, workload
 from sim.run import replay
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
-TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 TOKENS_PER_ID = 512
 
 
@@ -89,7 +87,7 @@ def markdown(result: dict[str, Any]) -> str:
     args, p = argparse.Namespace(**result["args"]), result["profile"]
     lines = [
         "# Prefill/decode pools against a unified pool, simulated", "",
-        f"`python benchmarks/sim_pd.py --replicas {args.replicas} --splits {args.splits} "
+        f"`python benchmarks/simulated/sim_pd.py --replicas {args.replicas} --splits {args.splits} "
         f"--bandwidths-gb-s {args.bandwidths_gb_s} --rates-per-replica {args.rates_per_replica} "
         f"--policy {args.policy}`. Run took {result['wall_s'] / 60:.1f} min.", "",
         f"Simulated, not measured: engines of profile `{p['name']}` ({p['source']}), "

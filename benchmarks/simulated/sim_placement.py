@@ -20,7 +20,7 @@ sim_autoscaling.py counts it), the requests missed on the inter-token gap alone,
 prefills that ran on their replica while they decoded: queued behind them (FCFS ran them right
 after their prefill) or arrived during their decode (sim_history.stalling_prefills).
 
-    .venv/bin/python benchmarks/sim_placement.py   # writes benchmarks/results/sim_placement.*
+    .venv/bin/python benchmarks/simulated/sim_placement.py   # writes benchmarks/results/sim_placement.*
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.simulated.sim_autoscaling import TRACE
+from benchmarks.simulated.sim_history import RESULTS, replay_args, run, write
 from router.policies import DEFAULT_WEIGHTS
 from sim import params as profiles
 from sim import workload
-from sim_autoscaling import TRACE
-from sim_history import RESULTS, replay_args, run, write
 
 SHIPPED = DEFAULT_WEIGHTS["kv_aware"]
 VARIANTS: dict[str, tuple[str, dict[str, float] | None]] = {

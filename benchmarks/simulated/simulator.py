@@ -13,7 +13,7 @@ against the bound (an infinite cache shared by all replicas), the real router's 
 decision (rank and dispatch) and per request (decisions and applying the engines' KV events), the
 block map's peak size, and how much faster than real time the simulation ran.
 
-    .venv/bin/python benchmarks/simulator.py [--replicas 16,64,256,1024] [--profile NAME]
+    .venv/bin/python benchmarks/simulated/simulator.py [--replicas 16,64,256,1024] [--profile NAME]
 
 Writes benchmarks/results/simulator.{json,md,png}; the fidelity records come from
 benchmarks/results/sim_fidelity.json (benchmarks/sim_fidelity.py) and are copied in as they are.
@@ -28,13 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.results import RESULTS, TRACE
 from sim import params as profiles
 from sim import workload
 from sim.run import MakeReplay, replay
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
-TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 POLICIES = ["round_robin", "least_loaded", "prefix_approx", "kv_aware"]
 TOKENS_PER_ID = 512
 
@@ -133,7 +131,7 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     p = result["profile"]
     lines = [
         "# Routing at scale, simulated", "",
-        f"`python benchmarks/simulator.py --replicas {args.replicas} --profile {args.profile} "
+        f"`python benchmarks/simulated/simulator.py --replicas {args.replicas} --profile {args.profile} "
         f"--rate-per-replica {args.rate_per_replica:g} --requests-per-replica "
         f"{args.requests_per_replica}"
         + (f" --max-history-entries {args.max_history_entries}"

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from traces import Prompts, arrival_offsets
+from benchmarks.common.traces import Prompts, arrival_offsets
 
 MAX_TOKENS = 32
 

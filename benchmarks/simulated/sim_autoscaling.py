@@ -24,8 +24,8 @@ A request meets the SLO when its TTFT is at most --ttft-slo and its mean inter-t
 --itl-slo. Replica-seconds count every replica from its start until it is gone (a starting or
 draining replica holds its GPU too).
 
-    .venv/bin/python benchmarks/sim_autoscaling.py [--phases 900,600,600 --rates 8,45,8]
-    .venv/bin/python benchmarks/sim_autoscaling.py --ramp-s 300 \
+    .venv/bin/python benchmarks/simulated/sim_autoscaling.py [--phases 900,600,600 --rates 8,45,8]
+    .venv/bin/python benchmarks/simulated/sim_autoscaling.py --ramp-s 300 \
         --out benchmarks/results/sim_autoscaling-ramp.json
 
 Writes benchmarks/results/sim_autoscaling.{json,md,png} (the burst a step, as the issue's
@@ -46,7 +46,8 @@ import msgspec
 import numpy as np
 
 from autoscaler.serve_policy import PoolPolicy, ray_requests_policy
-from autoscaling import arrivals
+from benchmarks.autoscaling import arrivals
+from benchmarks.common.results import RESULTS, TRACE
 from sim import params as profiles
 from sim import workload
 from sim.autoscale import ServeDelays, SimAutoscaler
@@ -55,9 +56,6 @@ from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.profile import Capacity, sweep
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
-TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 SETUPS = ["autoscaler", "autoscaler_rise", "reactive", "ray_default", "static_max", "static_min"]
 
 
@@ -303,7 +301,7 @@ def meets_target(record: dict[str, Any], static: dict[str, Any]) -> bool:
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         "# Autoscaling at scale, simulated", "",
-        f"`python benchmarks/sim_autoscaling.py --phases {args.phases} --rates {args.rates} "
+        f"`python benchmarks/simulated/sim_autoscaling.py --phases {args.phases} --rates {args.rates} "
         f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --rise {args.rise:g}`: "
         "Poisson arrivals of the Mooncake trace's requests, "
         f"profile `{args.profile}`, kv_aware routing; SLO: TTFT <= {args.ttft_slo:g} s and mean "

@@ -9,7 +9,7 @@ others with their ports (`sim.baselines`: sglang-router 0.3.2 cache_aware, vllm-
 KV router cost), round_robin as the reference. Two workloads with prefix sharing:
 - `mooncake`: a Mooncake-format trace (`--trace`; one hash id per 512 tokens), tiled (each copy
   with ids of its own, its arrivals rotated: more conversations, the same shape of reuse, as
-  benchmarks/simulator.py does) and cut to `--window-s` seconds of arrivals at the rate;
+  benchmarks/simulated/simulator.py does) and cut to `--window-s` seconds of arrivals at the rate;
 - `sessions`: generated: `--system-prompts` system prompts (2-8 ids, Zipf popularity) shared by
   multi-turn sessions (geometric turns, mean 4; each turn sends the whole conversation so far,
   one id of user text and one of the last answer more each time), sessions starting as a Poisson
@@ -25,7 +25,7 @@ at the first scale, then the best goodput of the scale before) until one misses,
 90% of the best policy's goodput: TTFT p50/p90/p99, hit rate and imbalance (max over mean requests
 on a replica, sampled each simulated second while any is busy, averaged).
 
-    .venv/bin/python benchmarks/routing_at_scale.py [--replicas 16,64,256] [--workloads mooncake,sessions]
+    .venv/bin/python benchmarks/simulated/routing_at_scale.py [--replicas 16,64,256] [--workloads mooncake,sessions]
         [--policies round_robin,kv_aware,sglang:cache_aware,vllm-router:cache_aware,dynamo:kv]
 
 Writes benchmarks/results/routing_at_scale.{json,md}; the ports' validation against the real
@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common.results import RESULTS, TRACE
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
@@ -52,9 +53,6 @@ from sim.loop import EventLoop
 from sim.params import EngineParams
 from sim.run import percentile
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
-TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
 POLICIES = "round_robin,kv_aware,sglang:cache_aware,vllm-router:cache_aware,dynamo:kv"
 TOKENS_PER_ID = 512
 BASELINES = ("sglang:cache_aware", "vllm-router:cache_aware", "dynamo:kv")
@@ -407,7 +405,7 @@ def write(out: Path, params: EngineParams, args: argparse.Namespace, targets: di
     with_capacities(params, workload.read_trace(Path(args.trace)), records, args)
     fidelity = RESULTS / "port_fidelity.json"
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "trace", "report")}
-    result = {"command": "python benchmarks/routing_at_scale.py " + " ".join(
+    result = {"command": "python benchmarks/simulated/routing_at_scale.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in settings.items()
                   if k != "max_replicas") + " --max-replicas " + ",".join(
                   f"{k}={v}" for k, v in args.max_replicas.items()),

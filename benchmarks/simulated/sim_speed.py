@@ -1,7 +1,7 @@
 """How fast the simulator could run at scale, against how fast it runs: the block lives a workload
 needs at CPython's cheapest cost per life, and the real router's own time.
 
-For each policy, the run of benchmarks/simulator.py at --replicas (the same requests) is replayed
+For each policy, the run of benchmarks/simulated/simulator.py at --replicas (the same requests) is replayed
 once and its wall time split: building the requests, the real router (decisions and applying
 the engines' KV events, as the cluster times them), and the rest (engines, block pools, loop).
 A block's life is a block taken for new data (`BlockPool.allocated`): its prompt tokens were
@@ -15,7 +15,7 @@ Lives x floor is the least wall time the run's engines need; add the router's ow
 time for the least the run needs with tokenfab's router unchanged. Simulated seconds over each
 is the most "x real time" any such simulator could show on this machine.
 
-    .venv/bin/python benchmarks/sim_speed.py [--replicas 64] [--policies round_robin,kv_aware]
+    .venv/bin/python benchmarks/simulated/sim_speed.py [--replicas 64] [--policies round_robin,kv_aware]
 
 Writes benchmarks/results/sim_speed.{json,md}.
 """
@@ -30,8 +30,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from simulator import RESULTS, TRACE, scale_workload, workload_arguments
-
+from benchmarks.simulated.simulator import RESULTS, TRACE, scale_workload, workload_arguments
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
@@ -89,8 +88,8 @@ def markdown(result: dict[str, Any]) -> str:
     a, p = result["args"], result["profile"]
     lines = [
         "# Simulator speed: measured, and the most it could be", "",
-        f"`python benchmarks/sim_speed.py --replicas {a['replicas']} --policies "
-        f"{a['policies']}`: benchmarks/simulator.py's workload at {a['replicas']} replicas "
+        f"`python benchmarks/simulated/sim_speed.py --replicas {a['replicas']} --policies "
+        f"{a['policies']}`: benchmarks/simulated/simulator.py's workload at {a['replicas']} replicas "
         f"(`{TRACE.name}` at full length, {a['rate_per_replica']:g} req/s per replica, profile "
         f"`{p['name']}`: {p['kv_blocks']} blocks of {p['block_size']} tokens per engine). "
         f"Run took {result['wall_s'] / 60:.1f} min.", "",
