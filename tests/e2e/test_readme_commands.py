@@ -1,5 +1,6 @@
-"""The README's commands, run as a newcomer would: the setup is idempotent, and the main job
-serves the tiny model on http://127.0.0.1:8000/v1 until Ctrl-C, then leaves nothing behind.
+"""The README's and the docs' commands, run as a newcomer would: the setup is idempotent, the main
+job serves the tiny model on http://127.0.0.1:8000/v1 until Ctrl-C, then leaves nothing behind,
+and every bash block of docs/*.md runs as written on the topology its marker names.
 
 These run before tests/integration (pytest collects e2e first), never beside its cluster: the
 main job's teardown stops every Ray process on the machine.
@@ -16,11 +17,18 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.conftest import leftover_processes
+from tests.unit.test_docs import docs_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = os.environ | {"TOKENFAB_VENV": sys.prefix, "PYTHONUNBUFFERED": "1"}
+# the docs' blocks call `tokenfab` and `ray` as from an activated virtualenv; with a Ray token on
+# this machine, `ray job submit` needs RAY_AUTH_MODE=token (docs/deploy.md says so)
+TOKEN = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray/auth_token")
+DOCS_ENV = ENV | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"} | (
+    {"RAY_AUTH_MODE": "token"} if TOKEN.is_file() else {})
 
 
 def test_setup_is_idempotent() -> None:
@@ -85,13 +93,27 @@ def readme_block(heading: str) -> list[str]:
     return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
 
 
+def run_docs_blocks(how: str) -> int:
+    """Run each docs block marked `how`, a whole block in one shell that stops at a failure."""
+    blocks = [(page, commands) for page, mark, commands in docs_blocks() if mark == how]
+    for page, commands in blocks:
+        result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", commands], cwd=ROOT,
+                                env=DOCS_ENV, text=True, capture_output=True, timeout=600)
+        assert result.returncode == 0, f"{page}:\n{commands}\n{result.stdout}{result.stderr}"
+    return len(blocks)
+
+
 def test_using_it_runs_as_written(pytestconfig) -> None:
+    """The README's block, with the docs' blocks for the local topology run before its `down`."""
     pytestconfig._tokenfab_cluster_used = True
     commands = readme_block("## Using it")
     assert commands[0].startswith(".venv/bin/tokenfab validate") and len(commands) >= 5
+    assert commands[-1].endswith("tokenfab down --stop-ray")
     outputs: dict[str, str] = {}
     try:
         for command in commands:
+            if command == commands[-1]:
+                assert run_docs_blocks("with deploy/topologies/local.yaml") >= 2
             result = subprocess.run(command, shell=True, cwd=ROOT, env=ENV, text=True,
                                     capture_output=True, timeout=600)
             outputs[command] = result.stdout
@@ -103,4 +125,26 @@ def test_using_it_runs_as_written(pytestconfig) -> None:
     assert outputs[commands[0]].strip() == "ok"  # stdout; libraries' notices go to stderr
     status = next(out for command, out in outputs.items() if command.endswith("tokenfab status"))
     assert "main" in status and "healthy" in status.lower(), status
+    assert leftover_processes() == []
+
+
+OTHER_TOPOLOGIES = sorted({mark for _, mark, _ in docs_blocks()}
+                          - {"with deploy/topologies/local.yaml"})
+
+
+@pytest.mark.parametrize("how", OTHER_TOPOLOGIES)
+def test_docs_blocks_run_as_written(how: str, pytestconfig) -> None:
+    """Each other topology the docs' blocks need: up (unless the block deploys it), the blocks,
+    then down, leaving nothing behind."""
+    pytestconfig._tokenfab_cluster_used = True
+    try:
+        if how != "alone":
+            up = subprocess.run([".venv/bin/tokenfab", "up", how.removeprefix("with ")], cwd=ROOT,
+                                env=ENV, text=True, capture_output=True, timeout=900)
+            assert up.returncode == 0, f"{up.stdout}{up.stderr}"
+        assert run_docs_blocks(how) >= 1
+    finally:
+        down = subprocess.run([".venv/bin/tokenfab", "down", "--stop-ray"], cwd=ROOT, env=ENV,
+                              text=True, capture_output=True, timeout=300)
+    assert down.returncode == 0, f"{down.stdout}{down.stderr}"
     assert leftover_processes() == []

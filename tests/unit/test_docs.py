@@ -13,6 +13,7 @@ from orchestrator.topology_reference import render
 
 ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+BASH = re.compile(r"^(?:<!-- test: (.+?) -->\n)?```bash\n(.*?)^```", re.S | re.M)
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
 
@@ -84,3 +85,21 @@ def test_no_development_history() -> None:
              for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
              if re.search(r"\bsession [0-9]", line)]
     assert found == []
+
+
+def docs_blocks() -> list[tuple[str, str, str]]:
+    """(page, how the test runs it, commands) for every bash block of docs/*.md. `<!-- test: with
+    TOPOLOGY -->` before a block: run once TOPOLOGY is up; `<!-- test: alone -->`: the block
+    deploys what it needs (tests/e2e/test_readme_commands.py runs them; this file checks them)."""
+    return [(str(page.relative_to(ROOT)), how or "", commands)
+            for page in sorted((ROOT / "docs").glob("*.md"))  # not analysis/: benchmark runs
+            for how, commands in BASH.findall(page.read_text())]
+
+
+def test_every_docs_command_block_says_how_the_test_runs_it() -> None:
+    blocks = docs_blocks()
+    assert len(blocks) >= 5
+    for page, how, _ in blocks:
+        assert how == "alone" or how.startswith("with "), f"{page}: a bash block without a marker"
+        if how != "alone":
+            assert (ROOT / how.removeprefix("with ")).is_file(), f"{page}: {how}"
