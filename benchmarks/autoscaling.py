@@ -17,14 +17,15 @@ The client runs in a scheduling group of its own at nice -10 (`machine.prioritis
 h2h.py's), or the spinning engines starve it and its own delays count as the system's; each record
 says how long it still waited for a CPU (`client_waited_s`).
 
-Each engine gets `--engine-share` of a core (benchmarks/common/engine_share.py, a CPU cgroup quota), so
-a replica adds a fixed quantum of compute as an accelerator does and the front-ends keep the rest
-of the machine; `--engine-share 0` leaves engines uncapped (on 2 cores a second engine then
-starves the front-ends, see the note in results/autoscaler.md).
+Each engine gets `--engine-share` of a core (benchmarks/common/engine_share.py, a CPU cgroup
+quota), so a replica adds a fixed quantum of compute as an accelerator does and the front-ends
+keep the rest of the machine; `--engine-share 0` leaves engines uncapped (on 2 cores a second
+engine then starves the front-ends, see docs/autoscaling.md).
 
     .venv/bin/python benchmarks/autoscaling.py [--quiet-rps 0.25 --burst-rps 7 --phases 60,240,120]
 
-Writes benchmarks/results/autoscaler.json, autoscaler.md and autoscaler.png.
+Writes benchmarks/results/autoscaler.json, autoscaler.md and autoscaler.png (`--name`); the page
+is rendered from the JSON alone (`markdown`), which records the arguments.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import numpy as np
 from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.engine_share import EngineShare
 from benchmarks.common.machine import prioritise_client, waited_for_cpu_s
-from benchmarks.common.results import RESULTS
+from benchmarks.common.results import RESULTS, write
 from orchestrator import cluster, deploy
 from orchestrator.config import Topology, parse_topology
 
@@ -127,7 +128,8 @@ async def run(topology: Topology, root: str, times: list[float]) -> dict[str, An
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=root, timeout=300, trust_env=False,
                                  limits=limits) as client:
-        await client.post("/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 2})
+        await client.post("/v1/completions",
+                          json={"model": "tiny", "prompt": "warm", "max_tokens": 2})
         start = time.monotonic() + 1.0
         end = start + times[-1] + 1.0
         tracker = asyncio.create_task(_replicas(topology, end + 60, replicas))
@@ -192,19 +194,20 @@ def plot(loads: dict[str, dict[str, Any]], path: Path, phases: list[tuple[float,
     fig.savefig(path, dpi=110)
 
 
-def markdown(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def markdown(result: dict[str, Any]) -> str:
+    a, records = argparse.Namespace(**result["args"]), result["records"]
     lines = [
         "# Autoscaling on a bursty load", "",
-        f"`python benchmarks/autoscaling.py --phases {args.phases} --quiet-rps {args.quiet_rps} "
-        f"--burst-rps {args.burst_rps} --engine-share {args.engine_share:g}`: Poisson arrivals, "
-        f"quiet / burst / quiet; each request a {PROMPT_WORDS}-word prompt and {OUTPUT_TOKENS} streamed tokens; SLO: TTFT <= "
-        f"{args.ttft_slo:g} s and mean inter-token gap <= {args.itl_slo:g} s. Tiny model; each "
-        f"engine capped at {args.engine_share:g} of a core (`--engine-share`, 0 = uncapped). "
-        f"autoscaler plans with `capacity_rps: {args.capacity_rps:g}` (requests/s per replica). "
-        f"The client runs in a scheduling group of its own at nice "
-        f"{args.scheduling['client_nice']} (`prioritise_client` in machine.py); client waited: "
-        "the seconds it was ready to run but waited for a CPU during the load. "
-        f"Plot: {args.name}.png.", "",
+        f"`python benchmarks/autoscaling.py --phases {a.phases} --quiet-rps {a.quiet_rps} "
+        f"--burst-rps {a.burst_rps} --engine-share {a.engine_share:g}`: Poisson arrivals, "
+        f"quiet / burst / quiet; each request a {PROMPT_WORDS}-word prompt and {OUTPUT_TOKENS} "
+        f"streamed tokens; SLO: TTFT <= {a.ttft_slo:g} s and mean inter-token gap <= "
+        f"{a.itl_slo:g} s. Tiny model; each engine capped at {a.engine_share:g} of a core "
+        f"(`--engine-share`, 0 = uncapped). autoscaler plans with `capacity_rps: "
+        f"{a.capacity_rps:g}` (requests/s per replica). The client runs in a scheduling group "
+        f"of its own at nice {result['scheduling']['client_nice']} (`prioritise_client` in "
+        "machine.py); client waited: the seconds it was ready to run but waited for a CPU "
+        f"during the load. Plot: {a.name}.png.", "",
         "| setup | SLO attainment | replica-seconds | requests | failed | TTFT p50 / p90 (s) | "
         "ITL p90 (s) | max replicas | client waited (s) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -240,7 +243,7 @@ def main() -> None:
     parser.add_argument("--client-nice", type=int, default=-10,
                         help="the client's scheduling priority (see machine.prioritise_client)")
     args = parser.parse_args()
-    args.scheduling = prioritise_client(args.client_nice)
+    scheduling = prioritise_client(args.client_nice)
     quiet, burst, after = (float(x) for x in args.phases.split(","))
     phases = [(quiet, args.quiet_rps), (burst, args.burst_rps), (after, args.quiet_rps)]
     times = arrivals(phases)
@@ -260,13 +263,10 @@ def main() -> None:
                 remove(t)
     finally:
         cluster.stop_ray(topology("static_min").cluster.dashboard_url)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(
-        {"records": records, "capacity_rps": args.capacity_rps, "scheduling": args.scheduling},
-        indent=2))
-    (RESULTS / f"{args.name}.md").write_text(markdown(records, args))
-    plot(loads, RESULTS / f"{args.name}.png", phases)
-    print(markdown(records, args))
+    result = {"args": vars(args), "records": records, "scheduling": scheduling}
+    page = write(RESULTS / f"{args.name}.json", result, markdown)
+    plot(loads, RESULTS / f"{args.name}.png", phases)  # from the raw loads, which the JSON lacks
+    print(page)
 
 
 if __name__ == "__main__":

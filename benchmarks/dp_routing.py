@@ -18,7 +18,8 @@ own counters.
 
     .venv/bin/python benchmarks/dp_routing.py [--rates 2,6] [--kv-cache 12MiB]
 
-About 10 minutes on 2 cores. Writes benchmarks/results/dp_routing.json and dp_routing.md.
+About 10 minutes on 2 cores. Writes benchmarks/results/dp_routing.json and dp_routing.md, the
+page rendered from the JSON alone (`markdown`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common.machine import prioritise_client
-from benchmarks.common.results import RESULTS
+from benchmarks.common.results import RESULTS, write
 from benchmarks.common.traces import (BLOCK_TOKENS, sample_by_root, single_token_words,
                                       upper_bound_hit_rate)
 from benchmarks.routing import (ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica, replay_rate,
@@ -65,14 +66,14 @@ def rank_prompt_tokens(gateway: str) -> list[int]:
             + rank["load"]["prompt_tokens_transferred"] for rank in replica["ranks"]]
 
 
-def markdown(result: dict[str, Any], args: argparse.Namespace, sampled: int) -> str:
-    blocks = result["kv_blocks_per_rank"]
+def markdown(result: dict[str, Any]) -> str:
+    args, blocks = result["args"], result["kv_blocks_per_rank"]
     lines = [
         "# Data-parallel ranks as routing targets", "",
-        f"`python benchmarks/dp_routing.py --rates {args.rates} --kv-cache {args.kv_cache}`: "
-        f"{sampled} requests sampled by conversation root (routing.py's sample), one replica "
-        f"with 2 data-parallel ranks x 1 core, {args.kv_cache} KV cache per rank ({blocks} blocks "
-        f"of {BLOCK_TOKENS} tokens).", "",
+        f"`python benchmarks/dp_routing.py --rates {args['rates']} --kv-cache "
+        f"{args['kv_cache']}`: {result['sampled']} requests sampled by conversation root "
+        "(routing.py's sample), one replica with 2 data-parallel ranks x 1 core, "
+        f"{args['kv_cache']} KV cache per rank ({blocks} blocks of {BLOCK_TOKENS} tokens).", "",
         "Hit-rate bounds of this sample: infinite cache "
         f"{result['upper_bound_hit_rate']:.3f}; one LRU of {2 * blocks} blocks (both ranks' "
         f"caches as one) {result['two_cache_hit_rate']:.3f}; one LRU of {blocks} blocks (one "
@@ -101,7 +102,8 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
         at = {r["policy"]: r for r in records if r["rate_rps"] == rate}
         if {"rank_aware", "engine_balancer"} <= set(at):
             ours, theirs = at["rank_aware"], at["engine_balancer"]
-            out.append(f"{rate:g} req/s: TTFT p90 {ours['ttft_p90_s'] / theirs['ttft_p90_s']:.2f}x, "
+            out.append(f"{rate:g} req/s: TTFT p90 "
+                       f"{ours['ttft_p90_s'] / theirs['ttft_p90_s']:.2f}x, "
                        f"TTFT p50 {ours['ttft_p50_s'] / theirs['ttft_p50_s']:.2f}x, hit rate "
                        f"{ours['hit_rate']:.3f} against {theirs['hit_rate']:.3f}")
     return out
@@ -127,7 +129,8 @@ def main() -> None:
         requests = requests[:args.limit]
     specs = {p: topology(p, args.kv_cache) for p in args.placements.split(",")}
     words = single_token_words(next(iter(specs.values())).model.resolved_path)
-    result: dict[str, Any] = {"upper_bound_hit_rate": upper_bound_hit_rate(requests),
+    result: dict[str, Any] = {"args": vars(args), "sampled": len(requests),
+                              "upper_bound_hit_rate": upper_bound_hit_rate(requests),
                               "scheduling": scheduling, "records": []}
     # the replica's kv_blocks are each rank's (routing.kv_blocks_per_replica reads them)
     for placement, gateway, index, rate in sweep(specs, requests, words, rates, result,
@@ -141,10 +144,7 @@ def main() -> None:
         record["rank_prompt_tokens"] = seen
         result["records"].append(record)
         print(json.dumps(record))
-    out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result, args, len(requests)))
+    write(Path(args.out), result, markdown)
     print("\n".join(ratios(result["records"])))
 
 

@@ -28,7 +28,8 @@ wakes up.
 
     .venv/bin/python benchmarks/gateway.py [--requests 300] [--seconds 20]
 
-Writes benchmarks/results/gateway.json and gateway.md.
+Writes benchmarks/results/gateway.json and gateway.md, the page rendered from the JSON alone
+(`markdown`), which records the arguments.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback si
 
 from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.machine import prioritise_client
-from benchmarks.common.results import RESULTS
+from benchmarks.common.results import RESULTS, write
 from orchestrator import cluster
 from orchestrator.config import parse_topology
 from orchestrator.gateway.tenancy import hash_key
@@ -391,10 +392,12 @@ def _phase(baseline: Baseline, vllm: VllmServer, tokenfab: Tokenfab, count: int,
             for name in ("tokenfab", "vllm")]
 
 
-def markdown(records: list[dict[str, Any]], count: int, seconds: float) -> str:
+def markdown(result: dict[str, Any]) -> str:
+    args, records = result["args"], result["records"]
     lines = [
         "# Gateway overhead", "",
-        f"`python benchmarks/gateway.py --requests {count} --seconds {seconds:g}`: the tiny model "
+        f"`python benchmarks/gateway.py --requests {args['requests']} --seconds "
+        f"{args['seconds']:g}`: the tiny model "
         "on one pinned core, a 2-token prompt and 1 output token; added latency is the front's "
         "percentile minus the baseline's, the same baseline for both fronts (the engine behind "
         "vLLM's OpenAI serving code, in-process, no HTTP), from requests sent one at a time; max "
@@ -405,7 +408,8 @@ def markdown(records: list[dict[str, Any]], count: int, seconds: float) -> str:
         f"channel run side by side and are measured in {ROUNDS} interleaved rounds (max req/s: "
         f"{RPS_ROUNDS}), each round after {WARM_S:g} s of uncounted requests, so that drift in "
         "the machine's speed moves all alike. The client runs in a scheduling group of its own "
-        "at nice -10 and each front in a session of its own (`prioritise_client` in machine.py).",
+        f"at nice {result['scheduling']['client_nice']} and each front in a session of its own "
+        "(`prioritise_client` in machine.py).",
         "",
         "| phase | target | added p50 (ms) | added p99 (ms) | max req/s | front p50 / p99 (ms) | "
         "baseline p50 / p99 (ms) | failed under load |",
@@ -450,10 +454,8 @@ def main() -> None:
     records = measure(args.requests, args.seconds)
     for record in records:
         print(json.dumps(record))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gateway.json").write_text(json.dumps({"records": records}, indent=2))
-    (RESULTS / "gateway.md").write_text(markdown(records, args.requests, args.seconds))
-    print(markdown(records, args.requests, args.seconds))
+    print(write(RESULTS / "gateway.json",
+                {"args": vars(args), "scheduling": scheduling, "records": records}, markdown))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ output tokens/s 15-30% lower (against 2.3-2.6 s waited, TTFT p90 0.02 s, priorit
 Each record says how long the client waited (`client_waited_s`).
 
 Writes benchmarks/results/pd.json, pd.md and pd_itl.png. Needs the `bench` extra (matplotlib).
+The page is rendered from the JSON alone (`markdown`), which records the command and arguments.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 
 from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.machine import prioritise_client, waited_for_cpu_s
-from benchmarks.common.results import RESULTS
+from benchmarks.common.results import RESULTS, command, write
 from orchestrator import cluster
 from orchestrator.config import parse_topology
 
@@ -77,7 +78,8 @@ async def long_prompts(client: httpx.AsyncClient, until: float, out: list) -> No
     words = ["river", "stone", "light", "market", "quiet", "engine", "paper", "green"]
     index = 0
     while time.monotonic() < until:
-        prompt = f"document {index}: " + " ".join(words[(i * 7 + index) % 8] for i in range(LONG_WORDS))
+        prompt = f"document {index}: " + " ".join(words[(i * 7 + index) % 8]
+                                                   for i in range(LONG_WORDS))
         sent = time.monotonic()
         response = await client.post("/completions", json={"model": "tiny", "prompt": prompt,
                                                              "max_tokens": 4, "ignore_eos": True})
@@ -90,11 +92,13 @@ async def run_load(base_url: str, seconds: float) -> dict[str, Any]:
     streams: list[dict] = []
     longs: list[dict] = []
     async with httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False) as client:
-        await client.post("/completions", json={"model": "tiny", "prompt": "warm up", "max_tokens": 4})
+        await client.post("/completions",
+                          json={"model": "tiny", "prompt": "warm up", "max_tokens": 4})
         started, waited = time.monotonic(), waited_for_cpu_s()
         until = started + seconds
         await asyncio.gather(long_prompts(client, until, longs),
-                             *(interactive(client, i, until, streams) for i in range(INTERACTIVE_STREAMS)))
+                             *(interactive(client, i, until, streams)
+                               for i in range(INTERACTIVE_STREAMS)))
     return {"started": started, "streams": streams, "longs": longs,
             "elapsed": time.monotonic() - started, "client_waited_s": waited_for_cpu_s() - waited}
 
@@ -180,34 +184,40 @@ def plot(series: dict[str, tuple[list[float], list[float]]], path: Path) -> None
     fig.savefig(path, dpi=110)
 
 
-def markdown(records: list[dict], transfer: list[dict], seconds: float,
-             scheduling: dict[str, Any]) -> str:
-    lines = [f"# Prefill/decode disaggregation vs unified engines ({seconds:g} s of load per setup)",
+def markdown(result: dict[str, Any]) -> str:
+    records, transfer = result["records"], result["transfer"]
+    lines = [f"# Prefill/decode disaggregation vs unified engines "
+             f"({result['args']['seconds']:g} s of load per setup)",
              "", "2 CPU cores; unified: 2 replicas routed least-loaded; pd: 1 prefill + 1 decode. "
-             f"{INTERACTIVE_STREAMS} streaming clients ({INTERACTIVE_TOKENS} tokens each turn) plus a "
-             f"~1,750-token prompt every {LONG_EVERY_S:g} s. Reproduce: `.venv/bin/python benchmarks/pd_itl.py`.",
-             "ITL: each request's mean gap between tokens after the first (client side), p50/p99 over "
-             "requests; stall: each request's longest single gap. The p99s and stalls are where "
-             "long prefills show.",
-             f"The client runs in a scheduling group of its own at nice {scheduling['client_nice']} "
-             "(`prioritise_client` in machine.py); client waited: the seconds its event loop was "
+             f"{INTERACTIVE_STREAMS} streaming clients ({INTERACTIVE_TOKENS} tokens each turn) "
+             f"plus a ~1,750-token prompt every {LONG_EVERY_S:g} s. Reproduce: "
+             f"`{result['command']}`.",
+             "ITL: each request's mean gap between tokens after the first (client side), p50/p99 "
+             "over requests; stall: each request's longest single gap. The p99s and stalls are "
+             "where long prefills show.",
+             "The client runs in a scheduling group of its own at nice "
+             f"{result['scheduling']['client_nice']} (`prioritise_client` in machine.py); "
+             "client waited: the seconds its event loop was "
              "ready to run but waited for a CPU during the load (its latencies are late by that "
              "much, not the system's).",
              "", "| setup | ITL p50 (ms) | ITL p99 (ms) | stall p50 (ms) | stall p99 (ms) | "
              "TTFT p50 (ms) | TTFT p90 (ms) | output tok/s | client waited (s) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
-        lines.append(f"| {r['setup']} | {1000 * r['itl_p50_s']:.1f} | {1000 * r['itl_p99_s']:.1f} | "
+        lines.append(f"| {r['setup']} | {1000 * r['itl_p50_s']:.1f} | "
+                     f"{1000 * r['itl_p99_s']:.1f} | "
                      f"{1000 * r['stall_p50_s']:.1f} | {1000 * r['stall_p99_s']:.1f} | "
                      f"{1000 * r['ttft_p50_s']:.1f} | {1000 * r['ttft_p90_s']:.1f} | "
                      f"{r['output_tok_s']:.1f} | {r['client_waited_s']:.1f} |")
     by = {r["setup"]: r for r in records}
-    lines += ["", f"ITL p99 pd/unified = {by['pd']['itl_p99_s'] / by['unified']['itl_p99_s']:.2f}; "
-              f"throughput pd/unified = {by['pd']['output_tok_s'] / by['unified']['output_tok_s']:.2f}.",
-              "", "![ITL over time](pd_itl.png)", "", "## KV transfer throughput (NIXL, UCX over loopback)",
-              "", "Bytes and seconds as the decode engine's NixlConnector reports them for one pull "
-              "(prompts of ~300 to ~1,900 tokens; shorter ones skip the transfer); memcpy: numpy "
-              "copying the same number of bytes, best of 20 (cache-resident at these sizes).",
+    pd, unified = by["pd"], by["unified"]
+    lines += ["", f"ITL p99 pd/unified = {pd['itl_p99_s'] / unified['itl_p99_s']:.2f}; "
+              f"throughput pd/unified = {pd['output_tok_s'] / unified['output_tok_s']:.2f}.",
+              "", "![ITL over time](pd_itl.png)", "",
+              "## KV transfer throughput (NIXL, UCX over loopback)",
+              "", "Bytes and seconds as the decode engine's NixlConnector reports them for one "
+              "pull (prompts of ~300 to ~1,900 tokens; shorter ones skip the transfer); memcpy: "
+              "numpy copying the same number of bytes, best of 20 (cache-resident at these sizes).",
               "", "| bytes | NIXL GB/s | memcpy GB/s | ratio |", "| --- | --- | --- | --- |"]
     for t in transfer:
         lines.append(f"| {t['bytes']} | {t['nixl_gbps']:.2f} | {t['memcpy_gbps']:.2f} | "
@@ -238,14 +248,10 @@ def main() -> None:
             remove(topology)
     finally:
         cluster.stop_ray(topologies["pd"].cluster.dashboard_url)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pd.json").write_text(json.dumps({"records": records, "transfer": transfer,
-                                                 "scheduling": scheduling}, indent=2))
-    (RESULTS / "pd.md").write_text(markdown(records, transfer, args.seconds, scheduling))
-    plot(series, RESULTS / "pd_itl.png")
-    by = {r["setup"]: r for r in records}
-    print(f"ITL p99 ratio pd/unified: {by['pd']['itl_p99_s'] / by['unified']['itl_p99_s']:.2f}")
-    print(f"throughput ratio pd/unified: {by['pd']['output_tok_s'] / by['unified']['output_tok_s']:.2f}")
+    result = {"command": command(), "args": vars(args), "records": records,
+              "transfer": transfer, "scheduling": scheduling}
+    print(write(RESULTS / "pd.json", result, markdown))
+    plot(series, RESULTS / "pd_itl.png")  # from the raw streams, which the JSON lacks
 
 
 if __name__ == "__main__":

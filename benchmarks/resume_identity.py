@@ -9,7 +9,8 @@ text. The uninterrupted run computed those k tokens one by one; only the arithme
 
     .venv/bin/python benchmarks/resume_identity.py [--dtypes float32,bfloat16]
 
-Writes benchmarks/results/resume_identity.json and resume_identity.md.
+Writes benchmarks/results/resume_identity.json and resume_identity.md, the page rendered from
+the JSON alone (`markdown`): the dtypes, prompts and resume points are the records'.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from benchmarks.common.results import RESULTS
+from typing import Any
+
+from benchmarks.common.results import RESULTS, write
 
 MODEL = Path("~/.cache/tokenfab/models/tiny-llama").expanduser()
 PROMPTS = ["Hello, my name is", "The capital of France", "def fib(n):", "零一二三 unicode ü",
@@ -41,7 +44,8 @@ def measure(dtype: str) -> dict:
 
     def greedy(ids: list[int], tokens: int):
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        return llm.generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)[0].outputs[0]
+        return llm.generate(TokensPrompt(prompt_token_ids=ids), params,
+                            use_tqdm=False)[0].outputs[0]
 
     cases = []
     for prompt in PROMPTS:
@@ -58,11 +62,16 @@ def measure(dtype: str) -> dict:
             "points": len(cases)}
 
 
-def markdown(records: list[dict], command: str) -> str:
+def markdown(result: dict[str, Any]) -> str:
+    records = result["records"]
+    dtypes = ",".join(r["dtype"] for r in records)  # the only argument: the records give it
+    cases = records[0]["cases"]
+    prompts = len({c["prompt"] for c in cases})
+    points = ", ".join(str(k) for k in dict.fromkeys(c["resume_at"] for c in cases))
     lines = ["# Greedy continuations against an uninterrupted run", "",
-             f"Written by `benchmarks/resume_identity.py` (`{command}`): the tiny model, "
-             f"{len(PROMPTS)} prompts, {TOKENS} tokens, resumed after {', '.join(map(str, POINTS))}"
-             " tokens.", "", "| dtype | resume points | identical | differ |", "|---|---|---|---|"]
+             f"Written by `python benchmarks/resume_identity.py --dtypes {dtypes}`: the tiny "
+             f"model, {prompts} prompts, {TOKENS} tokens, resumed after {points} tokens.", "",
+             "| dtype | resume points | identical | differ |", "|---|---|---|---|"]
     for r in records:
         lines.append(f"| {r['dtype']} | {r['points']} | {r['matching']} | "
                      f"{r['points'] - r['matching']} |")
@@ -84,11 +93,7 @@ def main() -> None:
         records.append(json.loads(next(line for line in out.splitlines()
                                        if line.startswith("RESULT "))[7:]))
         print(f"{dtype}: {records[-1]['matching']}/{records[-1]['points']} identical")
-    command = " ".join(["benchmarks/resume_identity.py", *sys.argv[1:]])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "resume_identity.json").write_text(json.dumps({"records": records}, indent=2))
-    (RESULTS / "resume_identity.md").write_text(markdown(records, command))
-    print(markdown(records, command))
+    print(write(RESULTS / "resume_identity.json", {"records": records}, markdown))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ both (the most two caches can give if placement never holds a block twice).
 
     .venv/bin/python benchmarks/routing.py [--rates 1,10,30] [--policies kv_aware,round_robin]
 
-Writes benchmarks/results/routing.json, routing.md and routing_ttft.png.
+Writes benchmarks/results/routing.json, routing.md and routing_ttft.png; the page is rendered
+from the JSON alone (`markdown`), which records the arguments and the sample's size.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 
 from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.machine import prioritise_client
-from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.results import RESULTS, TRACE, write
 from benchmarks.common.traces import (BLOCK_TOKENS, Prompts, arrival_offsets, lru_hit_rate,
                                       sample_by_root, single_token_words, upper_bound_hit_rate)
 from orchestrator import cluster
@@ -169,7 +170,8 @@ def summarize(policy: str, rate: float, results: list[dict[str, Any]]) -> dict[s
     ok = [r for r in results if r["status"] == 200 and r["ttft"] is not None]
     ttft = np.array([r["ttft"] for r in ok])
     prompt = sum(r["usage"].get("prompt_tokens", 0) for r in ok)
-    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok)
+    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                 for r in ok)
     output = sum(r["usage"].get("completion_tokens", 0) for r in ok)
     runs = {r.get("replay", 0) for r in results}  # replays follow each other: sum their walls
     wall = sum(max(r["done"] for r in results if r.get("replay", 0) == k)
@@ -179,7 +181,8 @@ def summarize(policy: str, rate: float, results: list[dict[str, Any]]) -> dict[s
     return {"policy": policy, "rate_rps": rate, "requests": len(results),
             "replays": len(runs), "failed": len(results) - len(ok),
             "busiest_replica_share": max(per_replica.values()) / len(ok) if ok else 0.0,
-            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p90_s": float(np.percentile(ttft, 90)),
             "ttft_p99_s": float(np.percentile(ttft, 99)), "output_tok_s": output / wall,
             "hit_rate": cached / prompt if prompt else 0.0,
             "client_lag_p99_s": float(np.percentile(lag, 99))}
@@ -206,13 +209,13 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def markdown(result: dict[str, Any], args: argparse.Namespace, sampled: int) -> str:
-    blocks = result["kv_blocks_per_replica"]
+def markdown(result: dict[str, Any]) -> str:
+    args, blocks = result["args"], result["kv_blocks_per_replica"]
     lines = [
         "# Routing policies on the Mooncake trace", "",
-        f"`python benchmarks/routing.py --rates {args.rates} --kv-cache {args.kv_cache}`: "
-        f"{sampled} requests sampled by conversation root, 2 replicas x 1 core, "
-        f"{args.kv_cache} KV cache each ({blocks} blocks of {BLOCK_TOKENS} tokens).", "",
+        f"`python benchmarks/routing.py --rates {args['rates']} --kv-cache {args['kv_cache']}`: "
+        f"{result['sampled']} requests sampled by conversation root, 2 replicas x 1 core, "
+        f"{args['kv_cache']} KV cache each ({blocks} blocks of {BLOCK_TOKENS} tokens).", "",
         "Hit-rate bounds of this sample: infinite cache "
         f"{result['upper_bound_hit_rate']:.3f}; one LRU of {2 * blocks} blocks (both caches as "
         f"one) {result['two_cache_hit_rate']:.3f}; one LRU of {blocks} blocks (one replica) "
@@ -289,7 +292,8 @@ def main() -> None:
     specs = {p: topology(p, args.kv_cache, weights if p in ("kv_aware", "prefix_approx") else None)
              for p in args.policies.split(",")}
     words = single_token_words(next(iter(specs.values())).model.resolved_path)
-    result: dict[str, Any] = {"upper_bound_hit_rate": upper_bound_hit_rate(requests),
+    result: dict[str, Any] = {"args": vars(args), "sampled": len(requests),
+                              "upper_bound_hit_rate": upper_bound_hit_rate(requests),
                               "scheduling": scheduling, "records": []}
     for policy, gateway, index, rate in sweep(specs, requests, words, rates, result,
                                               "kv_blocks_per_replica", kv_blocks_per_replica):
@@ -301,10 +305,8 @@ def main() -> None:
             raw.write_text(json.dumps(results))
         print(json.dumps(result["records"][-1]))
     out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result, args, len(requests)))
-    plot(result["records"], out.with_name(out.stem + "_ttft.png"))
+    write(out, result, markdown)
+    plot(result["records"], out.with_name(out.stem + "_ttft.png"))  # docs link this name
     print("\n".join(ratios(result["records"])))
 
 

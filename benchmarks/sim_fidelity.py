@@ -18,7 +18,8 @@ benchmark's setup) and through the simulator, calibrated in the same run.
     .venv/bin/python benchmarks/sim_fidelity.py [--rates 2,10] [--policies round_robin,kv_aware]
 
 Writes benchmarks/results/sim_fidelity.{json,md}: for each policy, rate and metric (TTFT p50,
-TTFT p90, hit rate) the simulated and the real value and their relative error.
+TTFT p90, hit rate) the simulated and the real value and their relative error. The page is
+rendered from the JSON alone (`markdown`): its command's rates and policies are the records'.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from typing import Any
 import msgspec
 
 from benchmarks.common.machine import prioritise_client
+from benchmarks.common.results import RESULTS, write
 from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, sample_by_root, single_token_words,
                                       upper_bound_hit_rate)
-from benchmarks.routing import (RESULTS, ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica,
+from benchmarks.routing import (ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica,
                                 replay_rate, replays, summarize, sweep, topology)
 from sim import params as profiles
 from sim import workload
@@ -100,11 +102,13 @@ def compare(real: dict[str, Any], sim: dict[str, Any], policy: str, rate: float)
             for m in METRICS]
 
 
-def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
-    p = result["profile"]
+def markdown(result: dict[str, Any]) -> str:
+    p, records = result["profile"], result["records"]
+    rates = ",".join(dict.fromkeys(f"{r['real']['rate_rps']:g}" for r in records))
+    policies = ",".join(dict.fromkeys(r["policy"] for r in records))
     lines = [
         "# Simulator fidelity: simulated against real replicas", "",
-        f"`python benchmarks/sim_fidelity.py --rates {args.rates} --policies {args.policies}`: "
+        f"`python benchmarks/sim_fidelity.py --rates {rates} --policies {policies}`: "
         f"{result['requests']} requests of the routing benchmark's sample (infinite-cache hit "
         f"rate {result['bound_hit_rate']:.3f}), 2 replicas of the tiny model (one pinned core "
         f"each, {p['kv_blocks']} KV blocks of {p['block_size']} tokens), then the same replays in "
@@ -181,8 +185,8 @@ def main() -> None:
     specs = {p: topology(p, args.kv_cache) for p in args.policies.split(",")}
     first = next(iter(specs.values()))
     words = single_token_words(first.model.resolved_path)
-    result: dict[str, Any] = {"bound_hit_rate": upper_bound_hit_rate(rows), "requests": len(rows),
-                              "records": [], "fidelity": []}
+    result: dict[str, Any] = {"args": vars(args), "bound_hit_rate": upper_bound_hit_rate(rows),
+                              "requests": len(rows), "records": [], "fidelity": []}
     deploy_s: dict[str, float] = {}
     real: dict[tuple[str, float], dict[str, Any]] = {}
     started = time.monotonic()
@@ -228,11 +232,7 @@ def main() -> None:
     result["wall_s"] = time.monotonic() - began
     Path(args.profile_out).parent.mkdir(parents=True, exist_ok=True)
     profiles.dump(params, Path(args.profile_out))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result, args))
-    print(out.with_suffix(".md").read_text())
+    print(write(Path(args.out), result, markdown))
 
 
 def _write(path: Path, rows: list) -> None:

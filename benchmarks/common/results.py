@@ -27,8 +27,14 @@ PAGES = {  # results file (no suffix) -> the module whose markdown(result) rende
     "h2h-noreuse-rr": "benchmarks.h2h_report", "h2h-unprioritised": "benchmarks.h2h_report",
     "lora": "benchmarks.lora", "port_fidelity": "benchmarks.port_fidelity",
     "soak": "benchmarks.soak",
+    "resume_identity": "benchmarks.resume_identity", "router_cost": "benchmarks.router_cost",
+    "sim_fidelity": "benchmarks.sim_fidelity",
     "routing_at_scale": "benchmarks.simulated.routing_at_scale",
     "sim_pd": "benchmarks.simulated.sim_pd", "sim_speed": "benchmarks.simulated.sim_speed",
+    "simulator": "benchmarks.simulated.simulator",
+    "simulator-history": "benchmarks.simulated.simulator",
+    "sim_history": "benchmarks.simulated.sim_history",
+    "sim_placement": "benchmarks.simulated.sim_placement",
 }
 
 

@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -47,7 +46,7 @@ import numpy as np
 
 from autoscaler.serve_policy import PoolPolicy, ray_requests_policy
 from benchmarks.autoscaling import arrivals
-from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.results import RESULTS, TRACE, write
 from sim import params as profiles
 from sim import workload
 from sim.autoscale import ServeDelays, SimAutoscaler
@@ -134,9 +133,10 @@ def outcome(reqs: list[SimRequest], params: profiles.EngineParams,
     ttft = np.array([r.first_token - r.arrival for r in done])
     itl = np.array([r.itl_sum_s / r.itl_count if r.itl_count else 0.0 for r in done])
     met = sum(t <= args.ttft_slo and i <= args.itl_slo for t, i in zip(ttft, itl))
+    spans = windows([float(x) for x in args.phases.split(",")], params.start_latency_s)
     return {"requests": len(reqs), "unfinished": len(reqs) - len(done),
             "slo_attainment": met / len(reqs),
-            "slo_attainment_by_window": by_window(reqs, windows(args, params), args),
+            "slo_attainment_by_window": by_window(reqs, spans, args),
             "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p90_s": float(np.percentile(ttft, 90)),
             "itl_p90_s": float(np.percentile(itl, 90))}
@@ -158,16 +158,15 @@ def schedule(phases: list[tuple[float, float]], ramp_s: float,
     return out
 
 
-def windows(args: argparse.Namespace, params: profiles.EngineParams) -> dict[str, list[float]]:
-    """The phases, and the first start latency of each phase after the first (while replicas
-    asked for at its start cannot serve yet)."""
+def windows(seconds: list[float], start_latency_s: float) -> dict[str, list[float]]:
+    """The phases (`seconds` long each), and the first start latency of each phase after the
+    first (while replicas asked for at its start cannot serve yet)."""
     out, edge = {}, 0.0
-    seconds = [float(x) for x in args.phases.split(",")]
     for index, length in enumerate(seconds):
         out[f"phase {index + 1}"] = [edge, edge + length]
         if index:
-            out[f"phase {index + 1}, first {params.start_latency_s:.0f}s"] = \
-                [edge, edge + min(length, params.start_latency_s)]
+            out[f"phase {index + 1}, first {start_latency_s:.0f}s"] = \
+                [edge, edge + min(length, start_latency_s)]
         edge += length
     return out
 
@@ -261,16 +260,6 @@ def prepare(args: argparse.Namespace) -> Pattern:
     return Pattern(params, phases, times, rows, capacity, profiled_s)
 
 
-def save(result: dict[str, Any], out: Path, markdown_text: str,
-         draw: Callable[[Path], None]) -> None:
-    """The results file, its Markdown and its plot beside it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown_text)
-    draw(out.with_suffix(".png"))
-    print(markdown_text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, SETUPS, "sim_autoscaling.json")
@@ -282,13 +271,14 @@ def main() -> None:
                      sum(s for s, _ in p.phases), args, p.capacity)
         print(json.dumps({k: v for k, v in record.items() if k != "timeline"}), flush=True)
         records.append(record)
-    result = {"profile": args.profile, "phases": p.phases, "ramp_s": args.ramp_s,
+    result = {"args": vars(args), "profile": args.profile, "phases": p.phases,
+              "ramp_s": args.ramp_s,
               "max_ongoing_requests": args.max_ongoing, "ttft_slo_s": args.ttft_slo,
               "itl_slo_s": args.itl_slo, "start_latency_s": p.params.start_latency_s,
               "capacity": msgspec.to_builtins(p.capacity), "profile_wall_s": p.profiled_s,
               "records": records}
-    save(result, Path(args.out), markdown(result, args),
-         lambda path: plot(records, p.phases, path))
+    print(write(Path(args.out), result, markdown,
+                lambda result, path: plot(result["records"], p.phases, path)))
 
 
 def meets_target(record: dict[str, Any], static: dict[str, Any]) -> bool:
@@ -298,12 +288,13 @@ def meets_target(record: dict[str, Any], static: dict[str, Any]) -> bool:
             and record["replica_seconds"] <= 0.7 * static["replica_seconds"])
 
 
-def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
+def markdown(result: dict[str, Any]) -> str:
+    args = argparse.Namespace(**result["args"])
     lines = [
         "# Autoscaling at scale, simulated", "",
-        f"`python benchmarks/simulated/sim_autoscaling.py --phases {args.phases} --rates {args.rates} "
-        f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --rise {args.rise:g}`: "
-        "Poisson arrivals of the Mooncake trace's requests, "
+        f"`python benchmarks/simulated/sim_autoscaling.py --phases {args.phases} --rates "
+        f"{args.rates} --ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --rise "
+        f"{args.rise:g}`: Poisson arrivals of the Mooncake trace's requests, "
         f"profile `{args.profile}`, kv_aware routing; SLO: TTFT <= {args.ttft_slo:g} s and mean "
         f"inter-token gap <= {args.itl_slo:g} s. Simulated engines, tokenfab's real router and "
         "autoscaler policy (see sim/README.md). autoscaler_rise is the autoscaler with a declared "

@@ -16,7 +16,9 @@ shapes at one steady rate on a static pool of simulated engines, kv_aware routin
 
 Requests arriving in the first --warmup-s are served but not counted.
 
-    .venv/bin/python benchmarks/simulated/sim_history.py   # writes benchmarks/results/sim_history.{json,md}
+    .venv/bin/python benchmarks/simulated/sim_history.py
+
+Writes benchmarks/results/sim_history.{json,md}.
 """
 
 from __future__ import annotations
@@ -26,21 +28,19 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.autoscaling import arrivals
-from benchmarks.common.results import RESULTS
+from benchmarks.common.results import RESULTS, command, write
 from benchmarks.simulated.sim_autoscaling import TRACE, requests
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
-
 
 
 def run(policy: str, capacity: int | None, seed: int, params: profiles.EngineParams,
@@ -107,17 +107,29 @@ def stalling_prefills(missed: list[SimRequest], requests: list[SimRequest]) -> t
     return behind, during
 
 
-def markdown(result: dict[str, Any], command: str) -> str:
+def shown_command(result: dict[str, Any], script: str) -> str:
+    """How the run was started: as it recorded, or for the runs before they recorded it (their
+    settings in `args`), the script and its --out where that was not results/<script>.json."""
+    if "command" in result:
+        return str(result["command"])
+    out = Path(result["args"]["out"])
+    return f"python benchmarks/simulated/{script}.py" + (
+        "" if (out.parent.name, out.name) == ("results", f"{script}.json") else f" --out {out}")
+
+
+def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     lines = [
         "# The dispatch history's memory at scale, simulated", "",
-        f"`{command}`: {a['replicas']} static replicas of profile `{a['profile']}`, Poisson "
-        f"arrivals at {a['rate']:g} req/s for {a['seconds']:g} s of the Mooncake trace's shapes "
-        f"(outputs up to {a['max_output_tokens']}), requests of the first {a['warmup_s']:g} s not "
-        f"counted; SLO: TTFT <= {a['ttft_slo']:g} s and mean inter-token gap <= "
-        f"{a['itl_slo']:g} s. Simulated engines, tokenfab's real router (see sim/README.md).", "",
-        "| policy | history bound (pairs) | seed | hit rate | TTFT p50 / p90 (s) | mean gap p90 (s) "
-        "| SLO attainment | missed on the gap alone | their prompt / output p50 (tokens) "
+        f"`{shown_command(result, 'sim_history')}`: {a['replicas']} static replicas of profile "
+        f"`{a['profile']}`, Poisson arrivals at {a['rate']:g} req/s for {a['seconds']:g} s of the "
+        f"Mooncake trace's shapes (outputs up to {a['max_output_tokens']}), requests of the first "
+        f"{a['warmup_s']:g} s not counted; SLO: TTFT <= {a['ttft_slo']:g} s and mean inter-token "
+        f"gap <= {a['itl_slo']:g} s. Simulated engines, tokenfab's real router (see "
+        "sim/README.md).", "",
+        "| policy | history bound (pairs) | seed | hit rate | TTFT p50 / p90 (s) "
+        "| mean gap p90 (s) | SLO attainment | missed on the gap alone "
+        "| their prompt / output p50 (tokens) "
         "| prefills stalling them: queued behind / arrived during decode "
         "| history peak (pairs) | wall (s) |",
         "|---|---:|---:|---:|---|---:|---:|---:|---|---|---:|---:|",
@@ -147,18 +159,6 @@ def replay_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-tokens", type=int, default=1024)
 
 
-def write(result: dict[str, Any], out: Path, script: str,
-          markdown: Callable[[dict[str, Any], str], str]) -> None:
-    """`result` as JSON at `out` and as Markdown beside it, naming the command that made them
-    (`--out` only where it is not the script's default, results/<script>.json)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    command = f"python benchmarks/{script}.py" + (
-        "" if out == RESULTS / f"{script}.json" else f" --out {out}")
-    out.with_suffix(".md").write_text(markdown(result, command))
-    print(out.with_suffix(".md").read_text())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     replay_args(parser)
@@ -176,7 +176,8 @@ def main() -> None:
             record = run(policy, bound, seed, params, rows, args)
             print(json.dumps(record), flush=True)
             records.append(record)
-    write({"args": vars(args), "records": records}, Path(args.out), "sim_history", markdown)
+    result = {"command": command(), "args": vars(args), "records": records}
+    print(write(Path(args.out), result, markdown))
 
 
 if __name__ == "__main__":

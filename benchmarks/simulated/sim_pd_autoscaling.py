@@ -47,8 +47,9 @@ import numpy as np
 
 from autoscaler.serve_policy import PoolPolicy
 from benchmarks.autoscaling import arrivals
-from benchmarks.simulated.sim_autoscaling import (add_arguments, mark_phases, meets_target, outcome,
-                                                  prepare, requests, save, windows)
+from benchmarks.common.results import write
+from benchmarks.simulated.sim_autoscaling import (add_arguments, mark_phases, meets_target,
+                                                  outcome, prepare, requests, windows)
 from sim import params as profiles
 from sim.autoscale import SimAutoscaler
 from sim.cluster import SimCluster
@@ -207,7 +208,7 @@ def main() -> None:
     needed = bool(set(PLANNED) & setups) or (args.pd_min == "auto" and "pd_reactive" in setups)
     pd_capacity = profile_pd(p.params, p.rows, args) if needed else {}
     pd_profiled_s = time.perf_counter() - began
-    pd_min_rule = args.pd_min
+    pd_min_rule, settings = args.pd_min, dict(vars(args))  # as given, before auto's floors
     if args.pd_min == "auto":
         args.pd_min = floors(p.phases[0][1], pd_capacity)
     print(f"profiled P/D in {pd_profiled_s:.0f}s: " + ", ".join(
@@ -219,18 +220,19 @@ def main() -> None:
         print(json.dumps({k: v for k, v in record.items() if k != "timeline_by_pool"}),
               flush=True)
         records.append(record)
-    result = {"profile": args.profile, "phases": p.phases, "ramp_s": args.ramp_s,
+    result = {"args": settings, "profile": args.profile, "phases": p.phases, "ramp_s": args.ramp_s,
               "transfer_gb_s": args.transfer_gb_s, "ttft_slo_s": args.ttft_slo,
               "itl_slo_s": args.itl_slo, "start_latency_s": p.params.start_latency_s,
               "capacity": msgspec.to_builtins(p.capacity), "profile_wall_s": p.profiled_s,
               "pd_capacity": msgspec.to_builtins(pd_capacity), "pd_profile_wall_s": pd_profiled_s,
               "pd_min": args.pd_min, "pd_min_rule": pd_min_rule,
               "records": records}
-    save(result, Path(args.out), markdown(result, args),
-         lambda path: plot(records, p.phases, path))
+    print(write(Path(args.out), result, markdown,
+                lambda result, path: plot(result["records"], p.phases, path)))
 
 
-def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
+def markdown(result: dict[str, Any]) -> str:
+    args = argparse.Namespace(**result["args"])
     rule = result.get("pd_min_rule", "4:4")  # the runs before --pd-min auto were at 4:4
     rise = (f" --rise {args.rise:g}" if any(r["setup"] == "pd_autoscaler_rise"
                                             for r in result["records"]) else "")
@@ -239,8 +241,8 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
              if rule == "auto" else "")
     lines = [
         "# Prefill and decode pools autoscaled, simulated", "",
-        f"`python benchmarks/simulated/sim_pd_autoscaling.py --phases {args.phases} --rates {args.rates} "
-        f"--ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --pd-min {rule} "
+        f"`python benchmarks/simulated/sim_pd_autoscaling.py --phases {args.phases} --rates "
+        f"{args.rates} --ramp-s {args.ramp_s:g} --min {args.min} --max {args.max} --pd-min {rule} "
         f"--pd-max {args.pd_max} --pd-static {args.pd_static}{rise} --transfer-gb-s "
         f"{args.transfer_gb_s:g}`: Poisson arrivals of the Mooncake trace's requests, profile "
         f"`{args.profile}`, kv_aware routing in every pool; SLO: TTFT <= {args.ttft_slo:g} s and "
@@ -273,7 +275,8 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         lines += ["", f"{pd['setup']}'s pools, replicas held at the end of each window "
                   "(prefill:decode):", ""]
         timeline = pd["timeline_by_pool"]
-        for name, (_, end) in windows(args, profiles.load(args.profile)).items():
+        phases = [seconds for seconds, _ in result["phases"]]
+        for name, (_, end) in windows(phases, result["start_latency_s"]).items():
             lines.append(f"- {name}: " + ":".join(str(_at(timeline[role], end))
                                                   for role in ROLES))
     cap = result["capacity"]

@@ -20,7 +20,9 @@ sim_autoscaling.py counts it), the requests missed on the inter-token gap alone,
 prefills that ran on their replica while they decoded: queued behind them (FCFS ran them right
 after their prefill) or arrived during their decode (sim_history.stalling_prefills).
 
-    .venv/bin/python benchmarks/simulated/sim_placement.py   # writes benchmarks/results/sim_placement.*
+    .venv/bin/python benchmarks/simulated/sim_placement.py
+
+Writes benchmarks/results/sim_placement.{json,md}.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.simulated.sim_autoscaling import TRACE
-from benchmarks.simulated.sim_history import RESULTS, replay_args, run, write
+from benchmarks.common.results import RESULTS, TRACE, command, write
+from benchmarks.simulated.sim_history import replay_args, run, shown_command
 from router.policies import DEFAULT_WEIGHTS
 from sim import params as profiles
 from sim import workload
@@ -60,15 +62,16 @@ def one(job: tuple[str, float, int, argparse.Namespace]) -> dict[str, Any]:
     return record
 
 
-def markdown(result: dict[str, Any], command: str) -> str:
+def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     lines = [
         "# kv_aware's placement at scale, simulated: the `delay` score", "",
-        f"`{command}`: {a['replicas']} static replicas of profile `{a['profile']}`, Poisson "
-        f"arrivals of the Mooncake trace's shapes (outputs up to {a['max_output_tokens']}) for "
-        f"{a['seconds']:g} s, requests of the first {a['warmup_s']:g} s not counted; SLO: TTFT "
-        f"<= {a['ttft_slo']:g} s and mean inter-token gap <= {a['itl_slo']:g} s. Simulated "
-        "engines, tokenfab's real router (see sim/README.md).", "",
+        f"`{shown_command(result, 'sim_placement')}`: {a['replicas']} static replicas of profile "
+        f"`{a['profile']}`, Poisson arrivals of the Mooncake trace's shapes (outputs up to "
+        f"{a['max_output_tokens']}) for {a['seconds']:g} s, requests of the first "
+        f"{a['warmup_s']:g} s not counted; SLO: TTFT <= {a['ttft_slo']:g} s and mean inter-token "
+        f"gap <= {a['itl_slo']:g} s. Simulated engines, tokenfab's real router (see "
+        "sim/README.md).", "",
         "| rate (req/s) | variant | seed | hit rate | TTFT p50 / p90 (s) | mean gap p90 (s) "
         "| SLO attainment | missed on the gap alone "
         "| prefills stalling them: queued behind / arrived during decode | requests |",
@@ -113,7 +116,8 @@ def main() -> None:
             for seed in args.seeds.split(",") for v in variants]
     with ProcessPoolExecutor(args.jobs) as pool:
         records = list(pool.map(one, jobs))
-    write({"args": vars(args), "records": records}, Path(args.out), "sim_placement", markdown)
+    result = {"command": command(), "args": vars(args), "records": records}
+    print(write(Path(args.out), result, markdown))
 
 
 if __name__ == "__main__":

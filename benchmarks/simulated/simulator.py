@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.results import RESULTS, TRACE, write
 from sim import params as profiles
 from sim import workload
 from sim.run import MakeReplay, replay
@@ -127,26 +127,28 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
-    p = result["profile"]
+def markdown(result: dict[str, Any]) -> str:
+    a, p = result["args"], result["profile"]
+    policies = "" if a["policies"] == ",".join(POLICIES) else f" --policies {a['policies']}"
+    bound = ("" if a["max_history_entries"] is None
+             else f" --max-history-entries {a['max_history_entries']}")
     lines = [
         "# Routing at scale, simulated", "",
-        f"`python benchmarks/simulated/simulator.py --replicas {args.replicas} --profile {args.profile} "
-        f"--rate-per-replica {args.rate_per_replica:g} --requests-per-replica "
-        f"{args.requests_per_replica}"
-        + (f" --max-history-entries {args.max_history_entries}"
-           if args.max_history_entries is not None else "")
-        + f"`. Run took {result['wall_s'] / 60:.1f} min.", "",
+        f"`python benchmarks/simulated/simulator.py --replicas {a['replicas']}{policies} "
+        f"--profile {a['profile']} --rate-per-replica {a['rate_per_replica']:g} "
+        f"--requests-per-replica {a['requests_per_replica']}{bound}`. "
+        f"Run took {result['wall_s'] / 60:.1f} min.", "",
         f"Simulated: engines of profile `{p['name']}` ({p['source']}): KV cache "
         f"{p['kv_blocks']} blocks of {p['block_size']} tokens, {p['max_num_batched_tokens']} "
         f"tokens per step, context {p['max_model_len']}. Measured: every routing decision and "
         "every KV event runs tokenfab's router code unchanged (`router.service.RoutingService`), "
-        "and its wall time on this machine's CPU is what the decision and router columns show.", "",
+        "and its wall time on this machine's CPU is what the decision and router columns "
+        "show.", "",
         f"Workload: `{TRACE.name}` ({result['trace_requests']} requests, one hash id per 512 "
-        f"tokens), tiled to at least {args.requests_per_replica} requests per replica, at "
-        f"{args.rate_per_replica:g} requests/s per replica; prompts up to "
-        f"{p['max_model_len'] - args.max_output_tokens} tokens, outputs up to "
-        f"{args.max_output_tokens}.", "",
+        f"tokens), tiled to at least {a['requests_per_replica']} requests per replica, at "
+        f"{a['rate_per_replica']:g} requests/s per replica; prompts up to "
+        f"{p['max_model_len'] - a['max_output_tokens']} tokens, outputs up to "
+        f"{a['max_output_tokens']}.", "",
         "| replicas | policy | requests | TTFT p50 (s) | TTFT p90 (s) | hit rate | bound "
         "| decision p50 (ms) | decision p99 (ms) | router ms/request | map entries (peak) "
         "| map MB (peak) | history entries (peak) | sim speed (x real time) |",
@@ -191,19 +193,13 @@ def main() -> None:
                         help="keep the scale records of --out, take the fidelity records from "
                         "sim_fidelity.json again, rewrite the files (no simulation)")
     args = parser.parse_args()
-    out = Path(args.out)
     fidelity_path = RESULTS / "sim_fidelity.json"
     fidelity = json.loads(fidelity_path.read_text())["fidelity"] if fidelity_path.exists() else []
     if args.refresh_fidelity:
-        result = json.loads(out.read_text()) | {"fidelity": fidelity}
-        args = argparse.Namespace(**(vars(args) | result.get("args", {})))
+        result = json.loads(Path(args.out).read_text()) | {"fidelity": fidelity}
     else:
         result = simulate(args) | {"fidelity": fidelity}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result, args))
-    plot(result["scale"], out.with_suffix(".png"))
-    print(out.with_suffix(".md").read_text())
+    print(write(Path(args.out), result, markdown, lambda result, path: plot(result["scale"], path)))
 
 
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
