@@ -41,14 +41,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
+from benchmarks.common.client import one_request
 from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.engine_share import EngineShare
 from benchmarks.common.machine import prioritise_client, waited_for_cpu_s
 from benchmarks.common.results import RESULTS, write
 from orchestrator import cluster, deploy
 from orchestrator.config import Topology, parse_topology
+from tokenfab.stats import percentile
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 SETUPS = ["autoscaler", "static_min", "static_max", "ray_default"]
@@ -101,16 +102,9 @@ async def _one(client: httpx.AsyncClient, index: int, at: float, out: list) -> N
     words = " ".join(f"w{(index * 31 + i) % 500}" for i in range(PROMPT_WORDS))
     body = {"model": "tiny", "prompt": f"request {index}: {words}", "max_tokens": OUTPUT_TOKENS,
             "ignore_eos": True, "stream": True}
-    sent, stamps, status = time.monotonic(), [], 0
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            status = response.status_code
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
-                    stamps.append(time.monotonic())
-    except httpx.HTTPError:
-        status = 0
-    out.append({"sent": sent, "stamps": stamps, "status": status})
+    r = await one_request(client, body)
+    out.append({"sent": r["sent"], "stamps": [r["sent"] + at for at, _ in r["chunks"]],
+                "status": r["status"]})
 
 
 async def _replicas(topology: Topology, until: float, out: list) -> None:
@@ -154,7 +148,7 @@ def summarize(setup: str, load: dict[str, Any], ttft_slo: float, itl_slo: float)
         met += ttft <= ttft_slo and itl <= itl_slo
     samples = [(t, n) for t, n in load["replicas"] if load["start"] <= t <= load["end"]]
     seconds = sum((b[0] - a[0]) * a[1] for a, b in zip(samples, samples[1:]))
-    q = lambda xs, p: float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
+    q = percentile
     return {"setup": setup, "slo_attainment": round(met / len(load["requests"]), 3),
             "replica_seconds": round(seconds, 1), "requests": len(load["requests"]),
             "failed": sum(r["status"] != 200 for r in load["requests"]),
@@ -178,7 +172,7 @@ def plot(loads: dict[str, dict[str, Any]], path: Path, phases: list[tuple[float,
                       for r in load["requests"] if r["stamps"])
         xs, ys = [d[0] for d in done], [d[1] for d in done]
         window = 15
-        smooth = [float(np.percentile(ys[max(0, i - window):i + 1], 90)) for i in range(len(ys))]
+        smooth = [percentile(ys[max(0, i - window):i + 1], 90) for i in range(len(ys))]
         bottom.plot(xs, smooth, label=setup)
     edge = 0.0
     for seconds, _ in phases[:-1]:

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback single-node cluster
 
@@ -57,6 +56,7 @@ from benchmarks.common.results import RESULTS, write
 from orchestrator import cluster
 from orchestrator.config import parse_topology
 from orchestrator.gateway.tenancy import hash_key
+from tokenfab.stats import percentile
 
 MODEL_PATH = str(Path("~/.cache/tokenfab/models/tiny-llama").expanduser())
 BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0}
@@ -137,7 +137,7 @@ async def _max_rps(url: str, headers: dict[str, str], seconds: float) -> tuple[i
 
 
 def _p(latencies: list[float], q: float) -> float:
-    return float(np.percentile(latencies, q)) * 1000
+    return percentile(latencies, q) * 1000
 
 
 def _record(target: str, fronts: list[float], baselines: list[float], rps: float,

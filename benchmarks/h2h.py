@@ -94,6 +94,7 @@ from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.machine import (check_loopback, client_core, on_core, prioritise_client,
                                        renice_engines, stray_processes, unprioritised, wait_quiet,
                                        waited_for_cpu_s)
+from benchmarks.common import results
 from benchmarks.common.results import RESULTS, TRACE
 from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root,
                                       single_token_words, upper_bound_hit_rate, without_reuse)
@@ -485,10 +486,7 @@ def finish(result: dict[str, Any], out: Path) -> None:
     runs = [run for row in result["records"] for run in row.get("runs", [row])]
     result["records"] = with_goodput(runs, result["slo_s"])
     result["ratios"] = ratios(result["records"], result["floor"], result["slo_s"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
+    results.write(out, result, markdown, plot)
     print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     print("\n".join(result["ratios"]))
 

@@ -11,6 +11,7 @@ import numpy as np
 from benchmarks.common import process_cpu
 from benchmarks.common.client import MAX_TOKENS
 from benchmarks.common.intervals import aggregate, goodput
+from tokenfab.stats import percentile
 
 BURST_S = 0.005  # tokens, or first tokens, this close together arrived in one instant
 
@@ -31,7 +32,7 @@ def token_times(chunks: list[tuple[float, int | None]], mode: str) -> list[float
 
 
 def pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
+    return percentile(values, q) if values else None
 
 
 def ttft_p90(run: dict[str, Any]) -> tuple[float | None, int]:

@@ -62,20 +62,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from benchmarks.common.baseline import (Session, reset_prefix_caches, routed, start_engine,
                                         wait_ready)
 from benchmarks.common.client import no_collection, one_request
 from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.machine import prioritise_client
-from benchmarks.common.results import RESULTS
+from benchmarks.common.results import RESULTS, write
 from benchmarks.common.traces import BLOCK_TOKENS, Prompts, single_token_words
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
 from orchestrator.pool_config import parse_bytes
 from pools.tiny_lora import adapter_name, ensure_tiny_adapter
 from pools.tiny_model import ensure_tiny_model
+from tokenfab.stats import percentile
 
 MODEL = Path("~/.cache/tokenfab/models/tiny-llama").expanduser()
 ADAPTERS, MAX_LORAS, RANK = 8, 2, 8
@@ -219,7 +219,7 @@ def fewest_loads(sequence: list[str], places: int) -> int:
 # --- One replay's record ----------------------------------------------------------------------
 
 def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
+    return percentile(values, q) if values else None
 
 
 def summarize(results: list[dict[str, Any]], loads: int) -> dict[str, Any]:
@@ -516,9 +516,7 @@ def report(source: Path, out: Path) -> None:
     workload_rows = workload(result["requests"], result["zipf"], result["seed"])
     result["floor"] = floor_of(result["records"], workload_rows)
     result["verdict"] = verdict(result["records"], result["floor"])
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    print(write(out, result, markdown))
 
 
 def main() -> None:
@@ -565,9 +563,7 @@ def main() -> None:
               "records": summary, "runs": bench.records, "floor": floor,
               "verdict": verdict(summary, floor)}
     out = Path(args.out)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    print(write(out, result, markdown))
 
 
 if __name__ == "__main__":

@@ -30,11 +30,13 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks.common.client import one_request
 from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.machine import prioritise_client, waited_for_cpu_s
 from benchmarks.common.results import RESULTS, command, write
 from orchestrator import cluster
 from orchestrator.config import parse_topology
+from tokenfab.stats import percentile
 
 CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
            "dashboard_url": "http://127.0.0.1:8276", "num_cpus": 2}
@@ -65,12 +67,8 @@ async def interactive(client: httpx.AsyncClient, index: int, until: float, out: 
     while time.monotonic() < until:
         body = {"model": "tiny", "prompt": f"stream {index} turn {turn}: tell me a story",
                 "max_tokens": INTERACTIVE_TOKENS, "ignore_eos": True, "stream": True}
-        sent, stamps = time.monotonic(), []
-        async with client.stream("POST", "/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    stamps.append(time.monotonic())
-        out.append({"sent": sent, "stamps": stamps})
+        r = await one_request(client, body, "/completions")
+        out.append({"sent": r["sent"], "stamps": [r["sent"] + at for at, _ in r["chunks"]]})
         turn += 1
 
 
@@ -112,7 +110,7 @@ def summarize(setup: str, load: dict[str, Any]) -> dict[str, Any]:
     stall = [max(b - a for a, b in zip(stamps, stamps[1:])) for stamps in done]
     ttft = [s["stamps"][0] - s["sent"] for s in load["streams"] if s["stamps"]]
     tokens = sum(len(s["stamps"]) for s in load["streams"]) + 4 * len(load["longs"])
-    q = lambda xs, p: float(np.percentile(xs, p))  # noqa: E731
+    q = percentile
     return {"setup": setup, "itl_p50_s": q(itl, 50), "itl_p99_s": q(itl, 99),
             "stall_p50_s": q(stall, 50), "stall_p99_s": q(stall, 99),
             "ttft_p50_s": q(ttft, 50), "ttft_p90_s": q(ttft, 90),

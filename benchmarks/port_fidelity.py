@@ -33,7 +33,7 @@ from benchmarks.common.baseline import (Session, reset_prefix_caches, routed, st
 from benchmarks.common.client import MAX_TOKENS, body, replay, warm_up
 from benchmarks.common.engine_log import digest
 from benchmarks.common.machine import prioritise_client
-from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.results import RESULTS, TRACE, write
 from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root,
                                       single_token_words)
 from sim import params as profiles
@@ -104,9 +104,7 @@ def finish(result: dict[str, Any], out: Path) -> None:
                         "agreement": r["agreement"], "sim_hit_rate": r["sim_hit_rate"],
                         "real_hit_rate": r["real_hit_rate"], "hit_rate_diff": r["hit_rate_diff"]}
                        for r in result["records"]]
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(out.with_suffix(".md").read_text())
+    print(write(out, result, markdown))
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import numpy as np
 
+from benchmarks.common.client import one_request
 from benchmarks.common.cluster import deployed, remove
 from benchmarks.common.machine import prioritise_client
 from benchmarks.common.results import RESULTS, TRACE, write
@@ -46,6 +47,7 @@ from benchmarks.common.traces import (BLOCK_TOKENS, Prompts, arrival_offsets, lr
                                       sample_by_root, single_token_words, upper_bound_hit_rate)
 from orchestrator import cluster
 from orchestrator.config import Topology, parse_topology
+from tokenfab.stats import percentile
 
 POLICIES = ["round_robin", "least_loaded", "prefix_approx", "kv_aware"]
 ROOT_SHARE, SAMPLE_SEED = 0.06, 0
@@ -68,27 +70,12 @@ def topology(policy: str, kv_cache: str, weights: dict[str, float] | None = None
     }, f"routing benchmark ({policy})")
 
 
-async def one_request(client: httpx.AsyncClient, body: dict[str, Any], out: list,
-                      due: float) -> None:
-    sent, first, usage, status, error, replica = time.monotonic(), None, {}, 0, "", ""
-    try:
-        async with client.stream("POST", "/completions", json=body) as response:
-            status, replica = response.status_code, response.headers.get("x-tokenfab-replica", "")
-            if status != 200:
-                error = (await response.aread()).decode()[:300]
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if first is None and chunk.get("choices"):  # the first token (its text may be "")
-                    first = time.monotonic()
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-    except httpx.HTTPError as exc:
-        status, error = 599, repr(exc)
-    out.append({"sent": sent, "lag": sent - due, "ttft": (first - sent) if first else None,
-                "replica": replica, "done": time.monotonic(), "status": status, "usage": usage,
-                "error": error})
+async def timed_request(client: httpx.AsyncClient, body: dict[str, Any], out: list,
+                        due: float) -> None:
+    r = await one_request(client, body, "/completions")
+    out.append({"sent": r["sent"], "lag": r["sent"] - due,
+                "ttft": r["chunks"][0][0] if r["chunks"] else None, "replica": r["replica"] or "",
+                "done": r["done"], "status": r["status"], "usage": r["usage"], "error": r["error"]})
 
 
 async def replay(base_url: str, requests: list[dict[str, Any]], prompts: Prompts,
@@ -104,7 +91,7 @@ async def replay(base_url: str, requests: list[dict[str, Any]], prompts: Prompts
             body = {"model": "tiny", "prompt": prompts.prompt(row), "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": True,
                     "max_tokens": max(1, min(32, row["output_length"] // 8)), "temperature": 0}
-            tasks.append(asyncio.create_task(one_request(client, body, out, at)))
+            tasks.append(asyncio.create_task(timed_request(client, body, out, at)))
         await asyncio.gather(*tasks)
     return out
 
@@ -181,11 +168,11 @@ def summarize(policy: str, rate: float, results: list[dict[str, Any]]) -> dict[s
     return {"policy": policy, "rate_rps": rate, "requests": len(results),
             "replays": len(runs), "failed": len(results) - len(ok),
             "busiest_replica_share": max(per_replica.values()) / len(ok) if ok else 0.0,
-            "ttft_p50_s": float(np.percentile(ttft, 50)),
-            "ttft_p90_s": float(np.percentile(ttft, 90)),
-            "ttft_p99_s": float(np.percentile(ttft, 99)), "output_tok_s": output / wall,
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99), "output_tok_s": output / wall,
             "hit_rate": cached / prompt if prompt else 0.0,
-            "client_lag_p99_s": float(np.percentile(lag, 99))}
+            "client_lag_p99_s": percentile(lag, 99)}
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:

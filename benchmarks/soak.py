@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.common.results import RESULTS
+from benchmarks.common.results import RESULTS, command, write
 from benchmarks.common.streams import Stream, divergence, greedy, stream
 
 MODEL = "tiny"
@@ -342,7 +342,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    import sys
 
     from benchmarks.common.cluster import deployed, remove
     from orchestrator import cluster
@@ -371,12 +370,8 @@ def main() -> None:
     finally:
         cluster.stop_ray(spec.cluster.dashboard_url)
     result |= {"window_s": args.kill_every, "dtype": args.dtype,
-               "command": " ".join(["benchmarks/soak.py", *sys.argv[1:]])}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / f"{args.name}.md").write_text(markdown(result))
-    plot(result, RESULTS / f"{args.name}.png")
-    print(markdown(result))
+               "command": command()}
+    print(write(RESULTS / f"{args.name}.json", result, markdown, plot))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from sim import workload
 from sim.calibrate import QUANTILES, Prober, calibrate, fit_to_replay
 from sim.params import EngineParams
 from sim.run import replay
+from tokenfab.stats import percentile
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "hit_rate")
 
@@ -55,9 +56,9 @@ def real_replay(base_url: str, model: str, words: list[str], rows: list[dict[str
 def _summary(results: list[dict[str, Any]]) -> dict[str, float]:
     ttft = np.array([r["ttft"] for r in results])
     prompt = sum(r["prompt_tokens"] for r in results)
-    return {"ttft_p50_s": float(np.percentile(ttft, 50)),
-            "ttft_p90_s": float(np.percentile(ttft, 90)),
-            "ttft_p99_s": float(np.percentile(ttft, 99)),
+    return {"ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
             "hit_rate": sum(r["cached"] for r in results) / prompt if prompt else 0.0}
 
 

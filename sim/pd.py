@@ -29,8 +29,8 @@ from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.params import EngineParams
-from sim.run import percentile
 from tokenfab.errors import SimConfigError
+from tokenfab.stats import percentile
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -161,7 +161,7 @@ def summary(policy: str, requests: list[SimRequest], sim: SimPDCluster, sim_s: f
         "pulled_gb": sum(r.pulled_tokens for r in pulled) * sim.params.kv_bytes_per_token / 1e9,
         "pull_p50_s": percentile(pulls, 50), "pull_p90_s": percentile(pulls, 90),
         "preempted": sum(r.preemptions > 0 for r in done),
-        "decision_p99_ms": float(np.percentile(decisions, 99)),
+        "decision_p99_ms": percentile(decisions, 99),
         "sim_s": sim_s, "wall_s": wall_s, "sim_speedup": sim_s / wall_s if wall_s else 0.0,
     }
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import msgspec
-import numpy as np
 
 from autoscaler.signals import PoolSignals, pool_signals
 from sim.autoscale import replica_signals
@@ -30,6 +29,7 @@ from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.params import EngineParams
 from sim.pd import PREFILL, SimPDCluster
+from tokenfab.stats import percentile
 
 MakeLoad = Callable[[float, float], list[SimRequest]]  # (requests/s, seconds) -> requests
 
@@ -159,4 +159,4 @@ def _sweep(measure_at: Callable[[float], Point], rates: Sequence[float], ttft_p9
 
 
 def _p90(values: list[float]) -> float:
-    return float(np.percentile(values, 90)) if values else float("nan")
+    return percentile(values, 90) if values else float("nan")

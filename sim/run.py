@@ -14,6 +14,7 @@ from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.params import EngineParams
+from tokenfab.stats import percentile
 
 MakeReplay = Callable[[int, float], list[SimRequest]]  # (replay index, start time) -> requests
 
@@ -55,8 +56,8 @@ def summary(policy: str, requests: list[SimRequest], sim: SimCluster, sim_s: flo
         "output_tok_s": sum(r.output_tokens for r in done) / sim_s if sim_s else 0.0,
         "busiest_replica_share": max(per_replica.values()) / len(done) if done else 0.0,
         "preempted": sum(r.preemptions > 0 for r in done),
-        "decision_p50_ms": float(np.percentile(decisions_ms, 50)),
-        "decision_p99_ms": float(np.percentile(decisions_ms, 99)),
+        "decision_p50_ms": percentile(decisions_ms, 50),
+        "decision_p99_ms": percentile(decisions_ms, 99),
         "router_ms_per_request": (sum(sim.decision_ns) + sim.apply_ns) / 1e6 / len(requests)
         if requests else 0.0,
         "index_entries_peak": sim.peak_index_entries,
@@ -68,6 +69,3 @@ def summary(policy: str, requests: list[SimRequest], sim: SimCluster, sim_s: flo
                          "queued": r.engine_arrival - r.arrival} for r in done],
     }
 
-
-def percentile(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) if len(values) else float("nan")

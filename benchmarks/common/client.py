@@ -1,5 +1,7 @@
-"""The head-to-head benchmark's client: request bodies, streamed replays at a trace's pace or one
-request at a time, and waiting for a front to answer (h2h.py).
+"""The benchmarks' streaming client: one streamed request timed chunk by chunk (`one_request`,
+which every benchmark that times tokens uses), request bodies, replays at a trace's pace or one
+request at a time, and waiting for a front to answer. `streams.py` reads a stream's content
+(token ids, logprobs) for the token-identity checks.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ def body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
             "return_token_ids": True}
 
 
-async def one_request(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
-    """Chunks as (seconds since send, tokens in it or None when the chunk has no token_ids)."""
+async def one_request(client: httpx.AsyncClient, request: dict[str, Any],
+                      path: str = "/v1/completions") -> dict[str, Any]:
+    """One streamed request read to its end. `chunks`: each chunk with a choice (the first is the
+    first token, its text possibly empty) as (seconds since `sent`, tokens in it, or None when
+    the chunk has no token_ids); `status` 599 when the connection failed."""
     sent, chunks, usage, status, error, replica = time.monotonic(), [], {}, 0, "", None
     try:
-        async with client.stream("POST", "/v1/completions", json=request) as response:
+        async with client.stream("POST", path, json=request) as response:
             status = response.status_code
             replica = response.headers.get("x-tokenfab-replica")
             if status != 200:

@@ -49,7 +49,7 @@ def write(out: Path, result: dict[str, Any], markdown: Callable[[dict[str, Any]]
           plot: Callable[[dict[str, Any], Path], None] | None = None) -> str:
     """Write `out` (.json), its page (.md) and, with `plot`, its figure (.png); return the page."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     page = markdown(result)
     out.with_suffix(".md").write_text(page)
     if plot is not None:

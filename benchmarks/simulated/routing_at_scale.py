@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import results
 from benchmarks.common.results import RESULTS, TRACE
 from sim import params as profiles
 from sim import workload
@@ -51,7 +52,7 @@ from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.params import EngineParams
-from sim.run import percentile
+from tokenfab.stats import percentile
 
 POLICIES = "round_robin,kv_aware,sglang:cache_aware,vllm-router:cache_aware,dynamo:kv"
 TOKENS_PER_ID = 512
@@ -392,9 +393,7 @@ def report(out: Path, trace: str) -> None:
     args = argparse.Namespace(**result["args"])
     params = profiles.load(args.profile)
     with_capacities(params, workload.read_trace(Path(trace)), result["records"], args)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(out.with_suffix(".md").read_text())
+    print(results.write(out, result, markdown))
 
 
 def write(out: Path, params: EngineParams, args: argparse.Namespace, targets: dict[str, Any],
@@ -414,10 +413,7 @@ def write(out: Path, params: EngineParams, args: argparse.Namespace, targets: di
               "validation": json.loads(fidelity.read_text())["ports"] if fidelity.exists()
               else None,
               "wall_s": time.monotonic() - began}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    return out.with_suffix(".md").read_text()
+    return results.write(out, result, markdown)
 
 
 if __name__ == "__main__":

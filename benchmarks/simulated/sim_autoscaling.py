@@ -54,6 +54,7 @@ from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.profile import Capacity, sweep
+from tokenfab.stats import percentile
 
 SETUPS = ["autoscaler", "autoscaler_rise", "reactive", "ray_default", "static_max", "static_min"]
 
@@ -137,9 +138,9 @@ def outcome(reqs: list[SimRequest], params: profiles.EngineParams,
     return {"requests": len(reqs), "unfinished": len(reqs) - len(done),
             "slo_attainment": met / len(reqs),
             "slo_attainment_by_window": by_window(reqs, spans, args),
-            "ttft_p50_s": float(np.percentile(ttft, 50)),
-            "ttft_p90_s": float(np.percentile(ttft, 90)),
-            "itl_p90_s": float(np.percentile(itl, 90))}
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "itl_p90_s": percentile(itl, 90)}
 
 
 def schedule(phases: list[tuple[float, float]], ramp_s: float,

@@ -41,6 +41,7 @@ from sim import workload
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
+from tokenfab.stats import percentile
 
 
 def run(policy: str, capacity: int | None, seed: int, params: profiles.EngineParams,
@@ -69,8 +70,8 @@ def run(policy: str, capacity: int | None, seed: int, params: profiles.EnginePar
         "policy": policy, "max_history_entries": capacity, "seed": seed,
         "requests": len(counted),
         "hit_rate": sum(r.cached_tokens for r in counted) / sum(r.prompt_tokens for r in counted),
-        "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
-        "itl_mean_p90_s": float(np.percentile(gap, 90)),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+        "itl_mean_p90_s": percentile(gap, 90),
         "slo_attainment": float(met.mean()), "missed_on_gap_only": int(gap_only.sum()),
         "gap_missed_prompt_p50": float(np.median([r.prompt_tokens for r in missed]))
         if missed else None,

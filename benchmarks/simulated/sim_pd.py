@@ -20,7 +20,6 @@ Writes benchmarks/results/sim_pd.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.results import RESULTS, TRACE, write
 from sim import params as profiles
 from sim import pd, workload
 from sim.run import replay
@@ -188,9 +187,7 @@ def main() -> None:
             parser.error(f"--splits: {split} does not add up to --replicas {args.replicas}")
     result = simulate(args)
     out = Path(args.out)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
+    write(out, result, markdown, plot)
     print(f"wrote {out} and its .md and .png")
 
 

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from autoscaler.serve_policy import PoolPolicy
 from benchmarks.autoscaling import arrivals
@@ -57,6 +56,7 @@ from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.pd import SimPDCluster
 from sim.profile import Capacity, sweep_pd
+from tokenfab.stats import percentile
 
 SETUPS = ["unified_autoscaler", "pd_autoscaler", "pd_autoscaler_rise", "pd_reactive", "pd_static",
           "unified_static"]
@@ -149,7 +149,7 @@ def run(setup: str, params: profiles.EngineParams, reqs: list[SimRequest], end: 
     loop.run()
     itl = [r.itl_sum_s / r.itl_count if r.itl_count else 0.0 for r in reqs if r.first_token]
     return {"setup": setup, **outcome(reqs, params, args),
-            "itl_p99_s": float(np.percentile(itl, 99)),
+            "itl_p99_s": percentile(itl, 99),
             "replica_seconds": sum(s.replica_seconds for s in scalers.values()),
             "replica_seconds_by_pool": {role: s.replica_seconds for role, s in scalers.items()},
             "max_replicas_by_pool": {role: max(n for _, n in s.timeline)

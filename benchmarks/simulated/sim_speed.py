@@ -23,14 +23,14 @@ Writes benchmarks/results/sim_speed.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from benchmarks.simulated.simulator import RESULTS, TRACE, scale_workload, workload_arguments
+from benchmarks.common.results import RESULTS, TRACE, write
+from benchmarks.simulated.simulator import scale_workload, workload_arguments
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
@@ -146,10 +146,7 @@ def main() -> None:
               "wall_s": time.monotonic() - began,
               "args": {k: getattr(args, k) for k in kept}}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(out.with_suffix(".md").read_text())
+    print(write(out, result, markdown))
 
 
 if __name__ == "__main__":

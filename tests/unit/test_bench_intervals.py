@@ -1,5 +1,8 @@
-"""The benchmarks' repeated-run statistics (benchmarks/common/intervals.py), the no-reuse window
-(benchmarks/common/traces.py) and the head-to-head's stall clusters (benchmarks/h2h_figures.py)."""
+"""The benchmarks' repeated-run statistics (benchmarks/common/intervals.py), their streaming
+client (benchmarks/common/client.py), the no-reuse window (benchmarks/common/traces.py) and the
+head-to-head's stall clusters (benchmarks/h2h_figures.py)."""
+
+import json
 
 import pytest
 
@@ -131,3 +134,42 @@ def test_capacity_counts_each_request_at_the_reuse_bound_and_the_work_spread_per
     third = SimRequest(request_id="2", arrival=2.0, prompt_tokens=48, block_hashes=[1, 2, 9],
                        output_tokens=1)
     assert [cached for _, cached in reusable_tokens([third, *requests], 16)] == [0, 48, 32]
+
+
+def test_the_streaming_client_times_each_chunk_with_a_choice():
+    """The one client every token-timing benchmark uses: chunks with a choice are timed (the
+    first is the first token, even with empty text), usage is kept, the path is the caller's,
+    and a refusal keeps its status and body."""
+    import asyncio
+
+    import httpx
+
+    from benchmarks.common.client import one_request
+
+    events = [{"choices": [{"text": "", "token_ids": [7]}]},
+              {"choices": [{"text": "ab", "token_ids": [8, 9]}]},
+              {"choices": [{"text": "c"}]}, {"choices": [], "usage": {"completion_tokens": 4}}]
+    sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    paths = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if json.loads(request.content)["prompt"] == "refused":
+            return httpx.Response(400, json={"error": {"message": "prompt: too long"}})
+        return httpx.Response(200, text=sse, headers={"x-tokenfab-replica": "r1"})
+
+    async def run() -> tuple[dict, dict]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer),
+                                     base_url="http://127.0.0.1:9") as client:
+            return (await one_request(client, {"prompt": "hi"}, "/completions"),
+                    await one_request(client, {"prompt": "refused"}))
+
+    ok, refused = asyncio.run(run())
+    assert paths == ["/completions", "/v1/completions"]
+    assert [n for _, n in ok["chunks"]] == [1, 2, None]
+    times = [at for at, _ in ok["chunks"]]
+    assert times == sorted(times) and ok["sent"] + times[-1] <= ok["done"]
+    assert (ok["status"], ok["usage"], ok["replica"], ok["error"]) == (
+        200, {"completion_tokens": 4}, "r1", "")
+    assert refused["status"] == 400 and refused["chunks"] == []
+    assert "prompt: too long" in refused["error"]
