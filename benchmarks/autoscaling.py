@@ -43,12 +43,12 @@ from typing import Any
 import httpx
 
 from benchmarks.common.client import one_request
-from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.cluster import deployed, local_head, remove, tiny_topology
 from benchmarks.common.engine_share import EngineShare
 from benchmarks.common.machine import prioritise_client, waited_for_cpu_s
 from benchmarks.common.results import RESULTS, write
 from orchestrator import cluster, deploy
-from orchestrator.config import Topology, parse_topology
+from orchestrator.config import Topology
 from tokenfab.stats import percentile
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -71,16 +71,9 @@ def topology(setup: str, capacity_rps: float = 0.0) -> Topology:
         autoscaler |= {"policy": "ray_requests", "target_ongoing_requests": 2}  # Serve's default
     pool |= {"replicas": 2 if setup == "static_max" else 1,
              "min_replicas": 1, "max_replicas": 2 if setup != "static_min" else 1}
-    return parse_topology({
-        "name": f"scale-{setup.replace('_', '-')}",
-        "model": {"name": "tiny", "path": "~/.cache/tokenfab/models/tiny-llama",
-                  "generate": "tiny", "dtype": "bfloat16", "max_model_len": 2048},
-        "engine_args": {"enforce_eager": True},
-        "pools": [pool], "autoscaler": autoscaler,
-        "gateway": {"host": "127.0.0.1", "port": 8015, "request_timeout_s": 120},
-        "cluster": {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
-                    "dashboard_url": "http://127.0.0.1:8279", "num_cpus": 2},
-    }, f"benchmark {setup}")
+    return tiny_topology(f"scale-{setup.replace('_', '-')}", [pool], autoscaler=autoscaler,
+                         gateway={"port": 8015, "request_timeout_s": 120},
+                         cluster=local_head(6391, 8279))
 
 
 def arrivals(phases: list[tuple[float, float]], seed: int = 0) -> list[float]:

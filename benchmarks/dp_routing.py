@@ -31,32 +31,27 @@ from typing import Any
 
 import httpx
 
+from benchmarks.common.cluster import local_head, tiny_topology
 from benchmarks.common.machine import prioritise_client
 from benchmarks.common.results import RESULTS, write
 from benchmarks.common.traces import (BLOCK_TOKENS, sample_by_root, single_token_words,
                                       upper_bound_hit_rate)
 from benchmarks.routing import (ROOT_SHARE, SAMPLE_SEED, TRACE, kv_blocks_per_replica, replay_rate,
                                 summarize, sweep)
-from orchestrator.config import Topology, parse_topology
+from orchestrator.config import Topology
 
 PLACEMENTS = {"rank_aware": "route", "engine_balancer": "engine"}  # -> router.dp_ranks
-CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6394",
-           "dashboard_url": "http://127.0.0.1:8287", "num_cpus": 2}
+CLUSTER = local_head(6394, 8287)
 
 
 def topology(placement: str, kv_cache: str) -> Topology:
-    return parse_topology({
-        "name": f"dp-{placement.replace('_', '-')}",
-        "model": {"name": "tiny", "path": "~/.cache/tokenfab/models/tiny-llama",
-                  "generate": "tiny", "dtype": "bfloat16", "max_model_len": 2048},
-        "engine_args": {"enforce_eager": True, "block_size": BLOCK_TOKENS},
-        "pools": [{"name": "main", "role": "unified", "replicas": 1, "max_ongoing_requests": 256,
-                   "parallel": {"data": 2},
-                   "resources": {"cpus": 2, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
-        "router": {"policy": "kv_aware", "dp_ranks": PLACEMENTS[placement]},
-        "gateway": {"host": "127.0.0.1", "port": 8022},
-        "cluster": CLUSTER,
-    }, f"dp routing benchmark ({placement})")
+    return tiny_topology(
+        f"dp-{placement.replace('_', '-')}",
+        [{"name": "main", "role": "unified", "replicas": 1, "max_ongoing_requests": 256,
+          "parallel": {"data": 2},
+          "resources": {"cpus": 2, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
+        router={"policy": "kv_aware", "dp_ranks": PLACEMENTS[placement]},
+        gateway={"port": 8022}, cluster=CLUSTER, block_size=BLOCK_TOKENS)
 
 
 def rank_prompt_tokens(gateway: str) -> list[int]:

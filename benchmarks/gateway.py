@@ -43,14 +43,13 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback single-node cluster
 
-from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.cluster import TINY_MODEL, deployed, local_head, remove, tiny_model_dir
 from benchmarks.common.machine import prioritise_client
 from benchmarks.common.results import RESULTS, write
 from orchestrator import cluster
@@ -58,7 +57,7 @@ from orchestrator.config import parse_topology
 from orchestrator.gateway.tenancy import hash_key
 from tokenfab.stats import percentile
 
-MODEL_PATH = str(Path("~/.cache/tokenfab/models/tiny-llama").expanduser())
+MODEL_PATH = str(tiny_model_dir())
 BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0}
 KEY = "bench-key"
 ADMIN_KEY = "bench-admin-key"  # reads /tokenfab/replicas
@@ -74,8 +73,7 @@ ENGINE_CORE = str(min(os.sched_getaffinity(0)))
 PHASES = {"gateway process": False, "colocated": True}  # phase -> gateway.colocate
 TOPOLOGY = {
     "name": "bench-gateway",
-    "model": {"name": "tiny", "path": MODEL_PATH, "generate": "tiny", "dtype": "bfloat16",
-              "max_model_len": 2048},
+    "model": TINY_MODEL | {"path": MODEL_PATH},
     "engine_args": {"enforce_eager": True},
     "pools": [{"name": "main", "role": "unified", "replicas": 1, "max_ongoing_requests": 256,
                "resources": {"cpus": 1, "kv_cache_bytes": KV_CACHE_BYTES, "pin_cores": True}}],
@@ -85,8 +83,7 @@ TOPOLOGY = {
                  "limits": {"requests_per_minute": 10_000_000, "tokens_per_minute": 100_000_000,
                             "max_concurrent": 10_000, "max_prompt_tokens": 2048}}],
     "admission": {"max_in_flight": 256},
-    "cluster": {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
-                "dashboard_url": "http://127.0.0.1:8279", "num_cpus": 2},
+    "cluster": local_head(6391, 8279),
 }
 
 

@@ -90,7 +90,7 @@ from benchmarks.common import process_cpu
 from benchmarks.common.baseline import (Session, kv_bytes_per_token, reset_prefix_caches, routed,
                                         start_engine, wait_ready)
 from benchmarks.common.client import MAX_TOKENS, one_at_a_time, replay, warm_up
-from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.cluster import TINY_MODEL_PATH, deployed, local_head, remove, tiny_topology
 from benchmarks.common.machine import (check_loopback, client_core, on_core, prioritise_client,
                                        renice_engines, stray_processes, unprioritised, wait_quiet,
                                        waited_for_cpu_s)
@@ -101,16 +101,14 @@ from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_
 from benchmarks.h2h_figures import pct, record, ttft_p90, with_goodput
 from benchmarks.h2h_report import markdown, plot, ratios
 from orchestrator import cluster
-from orchestrator.config import Topology, parse_topology
+from orchestrator.config import Topology
 
-MODEL = "~/.cache/tokenfab/models/tiny-llama"
+MODEL = TINY_MODEL_PATH
 SETUPS = (("sglang-router", "round_robin"), ("sglang-router", "cache_aware"),
           ("vllm-router", "cache_aware"), ("tokenfab", "round_robin"), ("tokenfab", "kv_aware"))
 ENGINE_PORTS, ROUTER_PORT, PROMETHEUS_PORT, GATEWAY_PORT = (8141, 8142), 8151, 8161, 8031
 FLOOR_PORT, FLOOR_PASSES = 8143, 2
-CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6393",
-           "dashboard_url": "http://127.0.0.1:8281", "num_cpus": 2,
-           "serve_control_loop_s": 0.5}  # as deploy/topologies/local.yaml
+CLUSTER = local_head(6393, 8281, serve_control_loop_s=0.5)  # as deploy/topologies/local.yaml
 RETRIES = 2  # replays repeated because processes outside the stack took the cores meanwhile
 
 
@@ -153,17 +151,12 @@ def measure(front: Front, requests: list[dict[str, Any]], prompts: Prompts, rate
 # --- tokenfab ---------------------------------------------------------------------------------
 
 def topology(policy: str, kv_cache: str, colocate: bool = False) -> Topology:
-    return parse_topology({
-        "name": f"h2h-{policy.replace('_', '-')}",
-        "model": {"name": "tiny", "path": MODEL, "generate": "tiny", "dtype": "bfloat16",
-                  "max_model_len": 2048},
-        "engine_args": {"enforce_eager": True, "block_size": BLOCK_TOKENS},
-        "pools": [{"name": "main", "role": "unified", "replicas": 2, "max_ongoing_requests": 256,
-                   "resources": {"cpus": 1, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
-        "router": {"policy": policy},
-        "gateway": {"host": "127.0.0.1", "port": GATEWAY_PORT, "colocate": colocate},
-        "cluster": CLUSTER,
-    }, f"h2h benchmark ({policy})")
+    return tiny_topology(
+        f"h2h-{policy.replace('_', '-')}",
+        [{"name": "main", "role": "unified", "replicas": 2, "max_ongoing_requests": 256,
+          "resources": {"cpus": 1, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
+        router={"policy": policy}, gateway={"port": GATEWAY_PORT, "colocate": colocate},
+        cluster=CLUSTER, block_size=BLOCK_TOKENS)
 
 
 # --- The run ----------------------------------------------------------------------------------

@@ -31,21 +31,16 @@ import httpx
 import numpy as np
 
 from benchmarks.common.client import one_request
-from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.cluster import TINY_MODEL, deployed, local_head, remove
 from benchmarks.common.machine import prioritise_client, waited_for_cpu_s
 from benchmarks.common.results import RESULTS, command, write
 from orchestrator import cluster
 from orchestrator.config import parse_topology
 from tokenfab.stats import percentile
 
-CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
-           "dashboard_url": "http://127.0.0.1:8276", "num_cpus": 2}
 BASE = {
-    "model": {"name": "tiny", "path": "~/.cache/tokenfab/models/tiny-llama", "generate": "tiny",
-              "dtype": "bfloat16", "max_model_len": 2048},
-    "engine_args": {"enforce_eager": True},
-    "gateway": {"host": "127.0.0.1", "port": 8020},
-    "cluster": CLUSTER,
+    "model": TINY_MODEL, "engine_args": {"enforce_eager": True},
+    "gateway": {"host": "127.0.0.1", "port": 8020}, "cluster": local_head(6391, 8276),
 }
 RESOURCES = {"cpus": 1, "kv_cache_bytes": "256MiB"}
 SETUPS = {

@@ -31,6 +31,7 @@ from typing import Any
 from benchmarks.common.baseline import (Session, reset_prefix_caches, routed, start_engine,
                                         wait_ready)
 from benchmarks.common.client import MAX_TOKENS, body, replay, warm_up
+from benchmarks.common.cluster import tiny_model_dir
 from benchmarks.common.engine_log import digest
 from benchmarks.common.machine import prioritise_client
 from benchmarks.common.results import RESULTS, TRACE, write
@@ -41,7 +42,7 @@ from sim import workload
 from sim.cluster import SimCluster
 from sim.loop import EventLoop
 
-MODEL = str(Path("~/.cache/tokenfab/models/tiny-llama").expanduser())
+MODEL = str(tiny_model_dir())
 ENGINE_PORTS, ROUTER_PORT, METRICS_PORT = (8144, 8145), 8152, 8162
 ROUTERS = {"sglang": ("sglang-router", "sglang:cache_aware"),
            "vllm-router": ("vllm-router", "vllm-router:cache_aware")}

@@ -20,12 +20,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
+from benchmarks.common.cluster import tiny_model_dir
 from benchmarks.common.results import RESULTS, write
 
-MODEL = Path("~/.cache/tokenfab/models/tiny-llama").expanduser()
+MODEL = tiny_model_dir()
 PROMPTS = ["Hello, my name is", "The capital of France", "def fib(n):", "零一二三 unicode ü",
            "river stone light market seven quiet engine paper green north window table"]
 POINTS = (1, 7, 20, 40)

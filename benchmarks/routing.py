@@ -40,34 +40,28 @@ import httpx
 import numpy as np
 
 from benchmarks.common.client import one_request
-from benchmarks.common.cluster import deployed, remove
+from benchmarks.common.cluster import deployed, local_head, remove, tiny_topology
 from benchmarks.common.machine import prioritise_client
 from benchmarks.common.results import RESULTS, TRACE, write
 from benchmarks.common.traces import (BLOCK_TOKENS, Prompts, arrival_offsets, lru_hit_rate,
                                       sample_by_root, single_token_words, upper_bound_hit_rate)
 from orchestrator import cluster
-from orchestrator.config import Topology, parse_topology
+from orchestrator.config import Topology
 from tokenfab.stats import percentile
 
 POLICIES = ["round_robin", "least_loaded", "prefix_approx", "kv_aware"]
 ROOT_SHARE, SAMPLE_SEED = 0.06, 0
 WARM_UP_REQUESTS = 16
-CLUSTER = {"node_ip": "127.0.0.1", "address": "127.0.0.1:6392",
-           "dashboard_url": "http://127.0.0.1:8277", "num_cpus": 2}
+CLUSTER = local_head(6392, 8277)
 
 
 def topology(policy: str, kv_cache: str, weights: dict[str, float] | None = None) -> Topology:
-    return parse_topology({
-        "name": f"route-{policy.replace('_', '-')}",
-        "model": {"name": "tiny", "path": "~/.cache/tokenfab/models/tiny-llama",
-                  "generate": "tiny", "dtype": "bfloat16", "max_model_len": 2048},
-        "engine_args": {"enforce_eager": True, "block_size": BLOCK_TOKENS},
-        "pools": [{"name": "main", "role": "unified", "replicas": 2, "max_ongoing_requests": 256,
-                   "resources": {"cpus": 1, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
-        "router": {"policy": policy} | ({"weights": weights} if weights else {}),
-        "gateway": {"host": "127.0.0.1", "port": 8021},
-        "cluster": CLUSTER,
-    }, f"routing benchmark ({policy})")
+    return tiny_topology(
+        f"route-{policy.replace('_', '-')}",
+        [{"name": "main", "role": "unified", "replicas": 2, "max_ongoing_requests": 256,
+          "resources": {"cpus": 1, "kv_cache_bytes": kv_cache, "pin_cores": True}}],
+        router={"policy": policy} | ({"weights": weights} if weights else {}),
+        gateway={"port": 8021}, cluster=CLUSTER, block_size=BLOCK_TOKENS)
 
 
 async def timed_request(client: httpx.AsyncClient, body: dict[str, Any], out: list,

@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 import psutil
 
+from benchmarks.common.cluster import local_head, tiny_topology
 from benchmarks.common.results import RESULTS, command, write
 from benchmarks.common.streams import Stream, divergence, greedy, stream
 
@@ -263,20 +264,11 @@ def summarize(results: list[tuple[int, Stream]], expected: list[Stream], start: 
 # --- The benchmark ----------------------------------------------------------------------------
 
 def topology(dtype: str) -> Any:
-    from orchestrator.config import parse_topology
-
-    return parse_topology({
-        "name": "soak",
-        "model": {"name": MODEL, "path": "~/.cache/tokenfab/models/tiny-llama",
-                  "generate": "tiny", "dtype": dtype, "max_model_len": 2048},
-        "engine_args": {"enforce_eager": True},
-        "pools": [{"name": "main", "role": "unified", "replicas": 2,
-                   "resources": {"cpus": 1, "kv_cache_bytes": "256MiB", "pin_cores": True}}],
-        "router": {"policy": "kv_aware"},
-        "gateway": {"host": "127.0.0.1", "port": 8030},
-        "cluster": {"node_ip": "127.0.0.1", "address": "127.0.0.1:6391",
-                    "dashboard_url": "http://127.0.0.1:8285", "num_cpus": 2},
-    })
+    return tiny_topology(
+        "soak", [{"name": "main", "role": "unified", "replicas": 2,
+                  "resources": {"cpus": 1, "kv_cache_bytes": "256MiB", "pin_cores": True}}],
+        router={"policy": "kv_aware"}, gateway={"port": 8030}, cluster=local_head(6391, 8285),
+        model={"name": MODEL, "dtype": dtype})
 
 
 def _f(value: float | None, scale: float = 1.0) -> str:
