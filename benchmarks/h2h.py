@@ -17,7 +17,8 @@ overlap (intervals.py); otherwise it is a tie.
 Loads: `--rates`, and, unless `--no-knee`, two around round_robin's knee, found in the first
 repeat by replaying sglang-router round_robin at rising rates (x1.4 from the highest given) until
 its TTFT p90 exceeds the target (`--slo-factor` times the floor's p90): that rate and the last
-one that met it. Goodput: the highest rate
+one that met it. Every other policy's first front then searches on from the highest load so far
+in the same way, so each policy's knee lies inside the loads. Goodput: the highest rate
 at which a system's TTFT p90 stays within that target with no failed request, interpolated
 between the measured rates in each repeat (h2h_figures.with_goodput).
 
@@ -176,6 +177,7 @@ class Bench:
         self.repeat = 0
         self.slo_s: float | None = None  # TTFT p90 target; set from the floor
         self.knee: dict[str, Any] | None = None  # to find (an empty dict), or found
+        self.knees: list[dict[str, Any]] = []  # the other policies' searches, past round_robin's
 
     def run_front(self, front: Front) -> None:
         setup = SETUPS.index((front.system, front.policy))
@@ -185,7 +187,9 @@ class Bench:
         front.pids = process_cpu.port_owners(int(front.url.rsplit(":", 1)[1].split("/")[0]))
         self.sockets[name] = check_loopback(front.pids)
         if self.knee == {} and front.policy == "round_robin":
-            self.find_knee(front)
+            self.knee = self.find_knee(front)
+        elif self.knee and self.repeat == 0 and front.policy != "round_robin":
+            self.knees.append(self.find_knee(front))  # its goodput measured, not censored
         for index, rate in enumerate(self.rates):
             profile = self.profile if (self.profile and front.system == "tokenfab"
                                        and rate == max(self.rates)) else None
@@ -208,10 +212,13 @@ class Bench:
                   "core during the replay: repeating it")
         return run | {"attempts": attempt + 1}
 
-    def find_knee(self, front: Front) -> None:
-        """Replay this round_robin front at rising rates (x1.4 from the highest given, at most 8
+    def find_knee(self, front: Front) -> dict[str, Any]:
+        """Replay this front at rising rates (x1.4 from the highest load so far, at most 8
         steps) until its TTFT p90 misses the target or a request fails; that rate and the one
-        before it are added to the loads, so the highest is past round_robin's knee."""
+        before it are added to the loads, so the highest is past this front's knee. Run for
+        round_robin's first front, then for every other policy's in the first repeat: a policy
+        that still meets the target at the highest load would otherwise have a goodput known
+        only as "at least"."""
         rate, probes = max(self.rates), []
         for step in range(8):
             run = self._clean_replay(front, rate, 700_000 + 10 * step, None)
@@ -227,9 +234,9 @@ class Bench:
         for probe in probes[-2:]:
             if probe["rate_rps"] not in self.rates:
                 self.rates.append(probe["rate_rps"])
-        self.knee = {"system": front.system, "policy": front.policy, "slo_s": self.slo_s,
-                     "probes": probes, "past_knee_rps": missed["rate_rps"],
-                     "missed": bool(missed["failed"] or (missed["ttft_p90_s"] or 1e9) > self.slo_s)}
+        return {"system": front.system, "policy": front.policy, "slo_s": self.slo_s,
+                "probes": probes, "past_knee_rps": missed["rate_rps"],
+                "missed": bool(missed["failed"] or (missed["ttft_p90_s"] or 1e9) > self.slo_s)}
 
     def _replay(self, front: Front, rate: float, namespace: int,
                 profile: Path | None) -> dict[str, Any]:
@@ -436,7 +443,7 @@ def write(bench: Bench, args: argparse.Namespace, requests: list[dict[str, Any]]
         "bound_hit_rate": upper_bound_hit_rate(requests),
         "floor": floor,
         "slo_s": bench.slo_s,
-        "knee": bench.knee,
+        "knee": bench.knee, "knees": bench.knees,
         "repeats": bench.repeat + 1,
         "window": args.window,
         "command": f"{prefix}python benchmarks/h2h.py {shlex.join(sys.argv[1:])}".strip(),

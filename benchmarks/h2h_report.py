@@ -146,11 +146,19 @@ def _knee(result: dict[str, Any]) -> str:
         return "Loads: as given (no knee looked for)."
     probes = ", ".join(f"{p['rate_rps']:g} req/s {_f(p['ttft_p90_s'])} s"
                        for p in knee["probes"])
-    return (f"Loads: as given, and {knee['past_knee_rps']:g} req/s, the first rate at which "
+    text = (f"Loads: as given, and {knee['past_knee_rps']:g} req/s, the first rate at which "
             f"{knee['system']} {knee['policy']}'s TTFT p90 "
             + ("missed" if knee["missed"] else "still met (the probe's last step)")
             + f" the target ({slo * 1000:.0f} ms) in the first repeat, with the probe before it "
-            f"(probes: {probes}). Goodput is interpolated between the measured rates.")
+            f"(probes: {probes}).")
+    for other in result.get("knees") or ():  # each other policy's search, from the highest load
+        probes = ", ".join(f"{p['rate_rps']:g} req/s {_f(p['ttft_p90_s'])} s"
+                           for p in other["probes"])
+        text += (f" {other['system']} {other['policy']}: "
+                 + (f"missed first at {other['past_knee_rps']:g} req/s" if other["missed"]
+                    else f"still met at {other['past_knee_rps']:g} req/s, the probe's last step")
+                 + f" (probes: {probes}).")
+    return text + " Goodput is interpolated between the measured rates."
 
 
 def markdown(result: dict[str, Any]) -> str:
