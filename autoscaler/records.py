@@ -39,4 +39,5 @@ class DecisionSink(Protocol):
 def load_sink(path: str) -> DecisionSink:
     """The sink at `module:function`."""
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    sink: DecisionSink = getattr(importlib.import_module(module), name)
+    return sink

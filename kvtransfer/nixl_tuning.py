@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from importlib.metadata import version
+from typing import Any
 
 from tokenfab.compat import require
 
@@ -37,11 +38,12 @@ def register() -> None:
         return
     original = getattr(bindings.nixlAgent, "_tokenfab_original", bindings.nixlAgent)
 
-    def agent_with_delay(name: str, config: object) -> object:
+    def agent_with_delay(name: str, config: Any) -> Any:  # nixl's bindings are untyped
         config.pthrDelay = delay_us
         return original(name, config)
 
-    agent_with_delay._tokenfab_delay_us = delay_us
-    agent_with_delay._tokenfab_original = original
+    # setattr: mypy types no new attribute of a function
+    setattr(agent_with_delay, "_tokenfab_delay_us", delay_us)  # noqa: B010
+    setattr(agent_with_delay, "_tokenfab_original", original)  # noqa: B010
     bindings.nixlAgent = agent_with_delay
     logger.info("NIXL progress thread delay set to %d us", delay_us)

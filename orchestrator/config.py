@@ -15,8 +15,8 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from orchestrator.adapter_config import AdapterSpec, LoraSpec, resolved_path
 from orchestrator.strict import Strict as _Strict
 # The pool, router, tenant and admission sections live in their own modules; they are part of
-# this document
-from orchestrator.pool_config import ByteSize, PoolSpec, check_owned, parse_bytes
+# this document (PoolSpec re-exported: the gateway takes the schema from here)
+from orchestrator.pool_config import ByteSize, PoolSpec as PoolSpec, check_owned, parse_bytes
 from orchestrator.router_config import RouterSpec
 from orchestrator.tenant_config import AdmissionSpec, AuthSpec, TenantSpec
 from tokenfab.errors import TopologyError

@@ -38,7 +38,7 @@ class AdapterSlots:
         self.loads = 0  # loads since start
         self._load, self._clock = load, clock
         self._held: OrderedDict[str, None] = OrderedDict()
-        self._pending: dict[str, asyncio.Task] = {}
+        self._pending: dict[str, asyncio.Task[None]] = {}
         self._times: deque[float] = deque(maxlen=LOAD_SAMPLES)
         self.on_change: Callable[[], None] = lambda: None  # the held adapters or their order
 

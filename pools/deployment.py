@@ -14,19 +14,22 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import ray
 from ray import serve
 
 from channel.secret import channel_secret, event_keys
-from channel.server import ChannelServer, ReplySink, Request
+from channel.frames import Request
+from channel.server import ChannelServer, ReplySink
 from kvtransfer import nixl_tuning
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel
 from pools import engine_watchdog
 from pools.adapters import AdapterBoard
 from pools.cores import CoreClaim, claim_cores
-from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace
+from pools.engine import (Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace,
+                          is_endpoint)
 from pools.vllm_compat import rank_endpoint
 from pools.kv_events import EventRelay, KVEventEndpoints, engine_endpoints, socket_dir
 from pools.registry import REPORT_INTERVAL_S, RankReport, Registry, ReplicaReport
@@ -61,7 +64,7 @@ class ReplicaSettings(msgspec.Struct, frozen=True):
     ray_resources: dict[str, float] = msgspec.field(default_factory=dict)  # the pool's own
 
 
-def nodes_offering(resources: dict[str, float], nodes: list[dict]) -> list[str]:
+def nodes_offering(resources: dict[str, float], nodes: list[dict[str, Any]]) -> list[str]:
     """Addresses of the alive nodes (as `ray.nodes()` lists them) that offer every one of the
     pool's Ray custom resources: on Kubernetes, the nodes of its role's worker group."""
     return sorted(node["NodeManagerAddress"] for node in nodes if node.get("Alive")
@@ -92,7 +95,9 @@ async def _check_listening(channel: SideChannel, timeout_s: float = 5.0) -> None
 class PoolReplica:
     """Serve deployment class of every pool; the app builder names one deployment per pool."""
 
-    async def __init__(self, spec: EngineSpec, settings: ReplicaSettings) -> None:
+    # Serve awaits an async constructor, which typing cannot say (__init__ must return None)
+    async def __init__(self, spec: EngineSpec,  # type: ignore[misc]
+                       settings: ReplicaSettings) -> None:
         from pools.vllm_engine import VllmEngine  # vLLM is imported only inside replicas
 
         self._settings = settings
@@ -194,13 +199,17 @@ class PoolReplica:
 
     async def serve(self, request: Request, reply: ReplySink) -> None:
         """One request from a gateway: the engine's reply, relayed as it comes, then its usage."""
+        endpoint = request.endpoint
+        if not is_endpoint(endpoint):
+            reply.failed(f"unknown request {endpoint!r}")
+            return
         body, keep_usage = with_stream_usage(msgspec.json.decode(request.body))
         resume = request.resume
         meter = StreamMeter(keep_usage, resumed=None if resume is None else len(resume))
         tracked, streaming = request.track_tokens, False
         trace = TokenTrace(resume or ()) if tracked or resume is not None else None
         with self._counted_on(request.rank), self._running(request):
-            async for item in self._engine.reply(request.endpoint, body, trace, request.rank,
+            async for item in self._engine.reply(endpoint, body, trace, request.rank,
                                                  request.adapter):
                 if isinstance(item, ReplyHead):
                     streaming = item.streaming
@@ -208,6 +217,7 @@ class PoolReplica:
                 elif streaming:
                     chunk, token = meter.feed(item)
                     if chunk and token and tracked:  # the ids go with the chunk that has them
+                        assert trace is not None  # made for every tracked request
                         reply.tokens(chunk, trace.take())
                     elif chunk:
                         reply.data(chunk, token)
@@ -219,14 +229,14 @@ class PoolReplica:
     @contextmanager
     def _counted_on(self, rank: int | None) -> Iterator[None]:
         """The request is in flight on this data-parallel rank while the block runs."""
-        counted = rank is not None and 0 <= rank < len(self._rank_in_flight)
-        if counted:
-            self._rank_in_flight[rank] += 1
+        counted = rank if rank is not None and 0 <= rank < len(self._rank_in_flight) else None
+        if counted is not None:
+            self._rank_in_flight[counted] += 1
         try:
             yield
         finally:
-            if counted:
-                self._rank_in_flight[rank] -= 1
+            if counted is not None:
+                self._rank_in_flight[counted] -= 1
 
     def _running(self, request: Request) -> AbstractContextManager[None]:
         """The request's adapter is in flight here while the block runs (the gateways hear)."""
@@ -236,7 +246,8 @@ class PoolReplica:
 
     # -- Serve handle methods ----------------------------------------------------------------
 
-    async def reply(self, endpoint: Endpoint, body: dict) -> AsyncIterator[ReplyHead | bytes]:
+    async def reply(self, endpoint: Endpoint, body: dict[str, Any]
+                    ) -> AsyncIterator[ReplyHead | bytes]:
         """Answer one OpenAI request through a Serve handle (tools and tests; gateways use the
         channel): see pools.engine.ReplyHead for the stream's shape."""
         if self._state != "ready":
@@ -290,7 +301,7 @@ class PoolReplica:
             held=float(self._channel.held() if self._channel else 0))
         return msgspec.structs.asdict(signals)
 
-    def _load(self):
+    def _load(self) -> LoadSnapshot:
         return msgspec.structs.replace(self._engine.load(), in_flight=self._in_flight)
 
     def _ranks(self) -> list[RankReport]:

@@ -6,13 +6,19 @@ Everything above `pools/` (gateway, router, request flow) sees engines only thro
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeGuard, get_args
 
 import msgspec
 
 from channel.frames import AdapterRef
 
 Endpoint = Literal["completions", "chat"]
+_ENDPOINTS = frozenset(get_args(Endpoint))
+
+
+def is_endpoint(name: str) -> TypeGuard[Endpoint]:
+    """Whether `name` (a request's, from the channel) is an endpoint engines serve."""
+    return name in _ENDPOINTS
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
@@ -136,7 +142,7 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
+    def reply(self, endpoint: Endpoint, body: dict[str, Any], trace: TokenTrace | None = None,
               rank: int | None = None, adapter: AdapterRef | None = None
               ) -> AsyncIterator[ReplyHead | bytes]: ...
 

@@ -18,14 +18,15 @@ from vllm.v1.metrics.ray_wrappers import (RayCounterWrapper, RayGaugeWrapper,
                                           RayPrometheusMetric, RayPrometheusStatLogger)
 
 FLUSH_S = 1.0
+_Key = tuple[int, tuple[tuple[str, str], ...]]  # a metric's id, and its tags
 
 
 class _Buffer:
     """Gauge values and counter increments of this process since the last flush."""
 
     def __init__(self) -> None:
-        self.gauges: dict[tuple[int, tuple], tuple[Any, dict[str, str], float]] = {}
-        self.counters: dict[tuple[int, tuple], tuple[Any, dict[str, str], float]] = {}
+        self.gauges: dict[_Key, tuple[Any, dict[str, str], float]] = {}
+        self.counters: dict[_Key, tuple[Any, dict[str, str], float]] = {}
         self._flushing: asyncio.TimerHandle | None = None
         self._flushing_on: asyncio.AbstractEventLoop | None = None
 
@@ -57,7 +58,8 @@ class _Labelled(RayPrometheusMetric):
     """`labels()` made once per label values, not once per step."""
 
     def labels(self, *labels: Any, **kwargs: Any) -> RayPrometheusMetric:
-        children = self.__dict__.setdefault("_children", {})
+        children: dict[tuple[Any, ...], RayPrometheusMetric] = \
+            self.__dict__.setdefault("_children", {})
         key = (labels, tuple(sorted(kwargs.items())))
         child = children.get(key)
         if child is None:
@@ -66,7 +68,7 @@ class _Labelled(RayPrometheusMetric):
             child.__dict__.pop("_tag_key", None)
         return child
 
-    def _key(self) -> tuple[int, tuple]:
+    def _key(self) -> _Key:
         key = self.__dict__.get("_tag_key")
         if key is None:
             key = self.__dict__["_tag_key"] = (id(self.metric), tuple(sorted(self._tags.items())))

@@ -85,11 +85,11 @@ class EventRelay:
         self._stop = self._context.socket(zmq.PAIR)
         self._stop.connect(f"inproc://stop-{id(self)}")
         self.endpoints = KVEventEndpoints(engine.engine, engine.engine_replay,
-                                          self._pub.last_endpoint.decode(),
-                                          self._router.last_endpoint.decode())
+                                          self._pub.get_string(zmq.LAST_ENDPOINT),
+                                          self._router.get_string(zmq.LAST_ENDPOINT))
         self._thread = threading.Thread(target=self._run, name="kv-event-relay", daemon=True)
 
-    def _serving(self, kind: int, keys: CurveKeys, node_ip: str) -> zmq.Socket:
+    def _serving(self, kind: int, keys: CurveKeys, node_ip: str) -> zmq.Socket[bytes]:
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         socket.curve_server = True
@@ -118,9 +118,10 @@ class EventRelay:
         poller = zmq.Poller()
         for socket in (self._sub, self._router, self._control):
             poller.register(socket, zmq.POLLIN)
-        replays: dict[zmq.Socket, tuple[bytes, float]] = {}  # engine dealer -> (client, deadline)
+        # engine dealer -> (client, deadline)
+        replays: dict[zmq.Socket[bytes], tuple[bytes, float]] = {}
         while True:
-            timeout = 1000 * REPLAY_TIMEOUT_S if replays else None
+            timeout = int(1000 * REPLAY_TIMEOUT_S) if replays else None
             ready = dict(poller.poll(timeout))
             if self._control in ready:
                 break
@@ -154,7 +155,7 @@ class EventRelay:
             socket.close()
 
 
-def _drain(socket: zmq.Socket) -> list[list[bytes]]:
+def _drain(socket: zmq.Socket[bytes]) -> list[list[bytes]]:
     messages = []
     while True:
         try:

@@ -103,14 +103,15 @@ TIMEOUT_S = 2.0  # a registry call that takes longer fails (the caller keeps wha
 DELETE_AFTER_TTLS = 6
 _Struct = TypeVar("_Struct", bound=msgspec.Struct)
 _Reported = TypeVar("_Reported", ReplicaReport, IngressReport)
-_background: set[asyncio.Task] = set()  # deletes and writes nobody awaits (a task needs a holder)
+# deletes and writes nobody awaits (a task needs a holder)
+_background: set[asyncio.Task[None]] = set()
 
 
 def _in_background(coroutine: Coroutine[Any, Any, None], what: str) -> None:
     task = asyncio.get_running_loop().create_task(coroutine)
     _background.add(task)
 
-    def done(task: asyncio.Task) -> None:
+    def done(task: asyncio.Task[None]) -> None:
         _background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.warning("replica registry: could not %s: %r", what, task.exception())

@@ -10,6 +10,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -25,7 +26,7 @@ def adapter_name(index: int) -> str:
     return f"lora-{index}"
 
 
-def _shapes(config: dict) -> dict[str, tuple[int, int]]:
+def _shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """(in, out) features of each target projection of a Llama decoder layer."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]

@@ -136,7 +136,9 @@ def _save_model(config: PretrainedConfig, out: Path, seed: int) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    # transformers wraps `to` with @wraps(Module.to), whose type wants the module as first argument
+    model.to(torch.bfloat16).save_pretrained(  # type: ignore[arg-type]
+        out, safe_serialization=True)
 
 
 def _save_generation_config(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:

@@ -73,9 +73,12 @@ class PromptTokenCounter:
 
     def _encode(self, text: str, special_tokens: bool = True) -> list[int]:
         """The ids `tokenizer(text, add_special_tokens=special_tokens).input_ids` gives."""
+        ids: list[int]
         if self._encoder is None:
-            return self._tokenizer(text, add_special_tokens=special_tokens).input_ids
-        return self._encoder.encode_batch([text], add_special_tokens=special_tokens)[0].ids
+            ids = self._tokenizer(text, add_special_tokens=special_tokens).input_ids
+        else:
+            ids = self._encoder.encode_batch([text], add_special_tokens=special_tokens)[0].ids
+        return ids
 
     def prompts(self, endpoint: str, body: Mapping[str, Any]) -> list[list[int]]:
         """Token ids of each prompt of an OpenAI request body (a completions batch has several).
@@ -121,4 +124,6 @@ class PromptTokenCounter:
             if type(exc).__module__.startswith("jinja2"):
                 raise PromptError("messages", f"the chat template refused them: {exc}") from exc
             raise
+        if not isinstance(text, str):  # as tokenize=False renders it; transformers types any
+            raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
         return self._encode(text, special_tokens=False)

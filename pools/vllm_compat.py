@@ -13,7 +13,7 @@ shape of everything patched here in the installed version.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -82,15 +82,17 @@ def continue_on_add_request(add_request: Callable[..., None], states: dict[str, 
     def add(request: Any, *args: Any, **kwargs: Any) -> None:
         add_request(request, *args, **kwargs)
         trace = TRACE.get()
-        state = states.get(request.request_id) if trace is not None and trace.resume else None
+        if trace is None or not trace.resume:
+            return
+        state = states.get(request.request_id)
         if state is not None and state.detokenizer is not None:
             continue_detokenizer(state.detokenizer, request.prompt_token_ids, trace.resume)
 
     return add
 
 
-def trace_generate(generate: Callable[..., AsyncIterator[Any]], experts: ExpertLoad | None = None
-            ) -> Callable[..., AsyncIterator[Any]]:
+def trace_generate(generate: Callable[..., AsyncGenerator[Any, None]],
+                   experts: ExpertLoad | None = None) -> Callable[..., AsyncIterator[Any]]:
     """`AsyncLLM.generate` as vLLM's serving layer calls it, on the request's data-parallel rank
     (the router's choice; None: the engine's own balancer picks) and with its TokenTrace, which
     sees every output before the serving layer turns it into bytes; `experts` counts the experts
@@ -112,7 +114,7 @@ def trace_generate(generate: Callable[..., AsyncIterator[Any]], experts: ExpertL
     return generate_traced
 
 
-async def _follow(outputs: AsyncIterator[Any], trace: TokenTrace | None,
+async def _follow(outputs: AsyncGenerator[Any, None], trace: TokenTrace | None,
                   experts: ExpertLoad | None = None) -> AsyncIterator[Any]:
     try:
         async for output in outputs:  # DELTA outputs: the tokens and text since the last one
@@ -177,5 +179,7 @@ def register_rank_event_endpoints() -> None:
             return rank_endpoint(endpoint, data_parallel_rank)
         return original(endpoint, data_parallel_rank)
 
-    offset_endpoint_port._tokenfab = True
-    ZmqEventPublisher.offset_endpoint_port = staticmethod(offset_endpoint_port)
+    # setattr: mypy types neither a function's new attribute nor a class's patched method
+    setattr(offset_endpoint_port, "_tokenfab", True)  # noqa: B010
+    setattr(ZmqEventPublisher, "offset_endpoint_port",  # noqa: B010
+            staticmethod(offset_endpoint_port))

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 from argparse import Namespace
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import msgspec
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from autoscaler.signals import SIGNAL_WINDOW_S, ReplicaSignals, Window
 from tokenfab.errors import EngineDeadError, EngineError, openai_error
@@ -187,7 +187,7 @@ def _connector_counts(stats: Any) -> dict[str, float]:
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """Name each bad field once; a union type's per-branch errors collapse into one line."""
-    by_field: dict[str, list[dict]] = {}
+    by_field: dict[str, list[Mapping[str, Any]]] = {}  # pydantic's ErrorDetails
     for error in exc.errors():
         by_field.setdefault(str(error["loc"][0]) if error["loc"] else "body", []).append(error)
     parts = []
@@ -199,10 +199,10 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts), next(iter(by_field))
 
 
-_FIELDS: dict[type, frozenset[str]] = {}
+_FIELDS: dict[type[BaseModel], frozenset[str]] = {}
 
 
-def _field_names(model: type) -> frozenset[str]:
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
     """A request model's field names and aliases."""
     if model not in _FIELDS:
         _FIELDS[model] = frozenset(name for field_name, field in model.model_fields.items()
@@ -242,7 +242,7 @@ class VllmEngine:
         self._llm: Any = None
         self._serving: dict[Endpoint, Any] = {}
         self._requests: dict[Endpoint, Any] = {}
-        self._error_type: type = type(None)
+        self._error_type: type[Any] = type(None)  # vLLM's ErrorResponse, once started
         self._client_error: tuple[type[Exception], ...] = ()  # vLLM's, once started
         self.block_size = 0  # the KV cache block size, known once started
         self.kv_blocks = 0  # the KV cache's capacity in blocks, known once started
@@ -297,9 +297,9 @@ class VllmEngine:
         self._error_type = ErrorResponse
         self._client_error = (VLLMClientError,)
 
-    async def reply(self, endpoint: Endpoint, body: dict, trace: TokenTrace | None = None,
-                    rank: int | None = None, adapter: AdapterRef | None = None
-                    ) -> AsyncIterator[ReplyHead | bytes]:
+    async def reply(self, endpoint: Endpoint, body: dict[str, Any],
+                    trace: TokenTrace | None = None, rank: int | None = None,
+                    adapter: AdapterRef | None = None) -> AsyncIterator[ReplyHead | bytes]:
         # a rank that does not exist is a router's mistake, not the client's
         if rank is not None and not 0 <= rank < self.spec.data:
             raise EngineError(f"data-parallel rank {rank} does not exist: the engine has "

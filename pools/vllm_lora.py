@@ -24,7 +24,7 @@ class VllmLora:
         self._llm: Any = None
         self._models: Any = None  # vLLM's OpenAIServingModels: the adapters requests can name
         self._error_type: type = type(None)
-        self._registering: dict[str, asyncio.Future] = {}  # adapters being registered, by name
+        self._registering: dict[str, asyncio.Future[Any]] = {}  # adapters being registered, by name
 
     def attach(self, llm: Any, models: Any, error_type: type) -> None:
         """The started engine, its serving layer's models and vLLM's error reply type."""

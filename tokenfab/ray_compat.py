@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -41,11 +42,11 @@ def bind_serve_grpc_to_node_address() -> None:
     _require("Serve's replica gRPC server bound to the node's address")
     from ray.serve._private import replica
 
-    original = replica.add_port_to_grpc_server
+    original: Callable[[Any, str], int] = replica.add_port_to_grpc_server
     if getattr(original, "tokenfab_node_address", False):
         return
 
-    def add_port_to_grpc_server(server, address: str) -> int:
+    def add_port_to_grpc_server(server: Any, address: str) -> int:  # a grpc server
         if address == WILDCARD:
             import ray
 
@@ -63,4 +64,5 @@ def gcs_client() -> Any:
     _require("the GCS client of ray._private.worker.global_worker")
     import ray
 
-    return ray._private.worker.global_worker.gcs_client
+    # ray sets Worker.gcs_client when it connects; its class does not declare it
+    return ray._private.worker.global_worker.gcs_client  # type: ignore[attr-defined]
