@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -74,9 +75,9 @@ class LocalLink:
         self._streams: dict[int, ReplyStream] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._ids = itertools.count(1)
-        self.on_state = None
+        self.on_state: Callable[[LocalLink], None] | None = None
         self.adapters: Adapters | None = None  # as the replica last said (None: it has not)
-        self.on_adapters = None
+        self.on_adapters: Callable[[LocalLink], None] | None = None
 
     @property
     def open_streams(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 # Sent with the prefill request: keep the KV blocks for a remote decoder to pull.
 REMOTE_DECODE: dict[str, Any] = {
@@ -30,7 +30,7 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
     return body | {"kv_transfer_params": params} if params else dict(body)
 
 
-def is_transferable(params: Any) -> bool:
+def is_transferable(params: Any) -> TypeGuard[dict[str, Any]]:
     """Whether a prefill reply's params name blocks a decoder can pull."""
     return isinstance(params, dict) and bool(params.get("remote_block_ids")) and bool(
         params.get("remote_engine_id"))

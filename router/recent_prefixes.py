@@ -14,8 +14,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 
+DecodeOnly = Literal["short_prompt", "cached_on_decode"]  # why a prompt skips the prefill leg
 BLOCK_TOKENS = 64  # the gateway's blocks, and how many it remembers
 CAPACITY_BLOCKS = 100_000
 
@@ -69,7 +71,7 @@ class RecentPrefixes:
 
 
 def skip_prefill(prompt_tokens: int, cached_on_decode: Callable[[], int],
-                 min_prompt_tokens: int) -> str | None:
+                 min_prompt_tokens: int) -> DecodeOnly | None:
     """Why a prompt goes straight to decode (None: it is worth a prefill leg): decode would
     compute fewer than `min_prompt_tokens` of it itself, being short or mostly held by decode
     (`cached_on_decode` counts those tokens: from decode's block map, or the prompts recently

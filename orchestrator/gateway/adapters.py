@@ -138,7 +138,7 @@ class AdapterCatalog:
         running = sorted(name for name in self.models if self._runs_adapters(name))
         if model is None and len(running) == 1:
             return running[0]
-        if model is None or not isinstance(model, str):
+        if not isinstance(model, str):  # None too
             raise GatewayError(400, f"model: name the model the adapter adapts, one of "
                                f"{running}", "model")
         if not self._runs_adapters(model):
@@ -156,6 +156,7 @@ class AdapterCatalog:
         except ValueError as exc:
             raise GatewayError(400, f"path: {path}/adapter_config.json is not JSON: {exc}",
                                "path") from None
+        assert model.lora is not None  # _parent names only a model with a lora section
         rank, limit = config.get("r"), model.lora.max_rank
         if not isinstance(rank, int) or rank > limit:
             raise GatewayError(400, f"path: the adapter's rank {rank!r} exceeds "

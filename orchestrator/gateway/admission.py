@@ -132,8 +132,10 @@ class Admission:
         lengths = [len(ids) for ids in prompts] if prompts is not None else []
         limiter.check_sizes(max(lengths) if prompts is not None else None, output,
                             "messages" if endpoint == "chat" else "prompt")
-        cost = cost_tokens(lengths, output, choices(body),
-                           self._max_model_len.get(body.get("model"), self._longest))
+        model = body.get("model")  # a string (Routes.read_body checked it)
+        max_model_len = self._max_model_len.get(model, self._longest) \
+            if isinstance(model, str) else self._longest
+        cost = cost_tokens(lengths, output, choices(body), max_model_len)
         charge = limiter.admit(cost, time.monotonic())
         self.metrics.queued.labels(tenant.name).inc()
         try:

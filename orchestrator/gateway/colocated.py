@@ -24,7 +24,8 @@ async def _no_wake() -> None:
 class PoolReplicaWithIngress(PoolReplica):
     """Serve deployment class of a pool whose replicas serve the gateway."""
 
-    async def __init__(self, spec: EngineSpec, settings: ReplicaSettings,
+    # Serve awaits an async constructor, which typing cannot say (__init__ must return None)
+    async def __init__(self, spec: EngineSpec, settings: ReplicaSettings,  # type: ignore[misc]
                        topology: dict[str, Any]) -> None:
         await super().__init__(spec, settings)
         assert self._channel is not None  # started by the replica

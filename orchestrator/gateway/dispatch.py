@@ -166,10 +166,10 @@ class PoolDispatcher:
         # routing targets (a replica's engine, or each data-parallel rank) -> replica, rank
         self._targets: dict[ReplicaId, tuple[ReplicaId, int | None]] = {}
         self._retiring: dict[ReplicaId, ReplicaLink | LocalLink] = {}  # unlisted, still serving
-        self._changed: asyncio.Future | None = None
+        self._changed: asyncio.Future[None] | None = None
         self._held = 0
         self._held_report: asyncio.TimerHandle | None = None
-        self._waking: asyncio.Task | None = None
+        self._waking: asyncio.Task[None] | None = None
         directory.listen(pool, self.update)
 
     @property
@@ -189,7 +189,8 @@ class PoolDispatcher:
         while requests are on it: they end by themselves, or fail (and are retried or continued)
         when its connection breaks. What the registry says never cuts a reply short.
         """
-        ready = {ReplicaId(r.replica_id): r for r in reports if r.state == "ready" and r.channel}
+        ready = {ReplicaId(r.replica_id): r.channel for r in reports
+                 if r.state == "ready" and r.channel}  # -> its channel's address
         for replica in [r for r in self._links if r not in ready]:
             self._retiring[replica] = self._links.pop(replica)
         for replica, link in list(self._retiring.items()):
@@ -197,10 +198,11 @@ class PoolDispatcher:
                 self._links[replica] = self._retiring.pop(replica)  # reported again
             elif replica in ready or not link.open_streams:
                 self._retiring.pop(replica).close()
-        for replica, report in ready.items():
-            link = self._links.get(replica)
-            if link is None or (link.state == "closed" and link.closed_for_s() > RECONNECT_S):
-                self._connect(replica, report.channel)
+        for replica, address in ready.items():
+            current = self._links.get(replica)
+            if current is None or (current.state == "closed"
+                                   and current.closed_for_s() > RECONNECT_S):
+                self._connect(replica, address)
         views = [view for r in reports if r.state == "ready"
                  for view in views_of(r, self._route_ranks)]
         self._targets = {view.replica: (ReplicaId(view.host) if view.rank is not None
@@ -286,7 +288,10 @@ class PoolDispatcher:
         while True:
             for target in self.service.rank(key, self._available(skip)):
                 # the registry may have been read again while an earlier choice answered
-                replica, rank = self._targets.get(target, (None, None))
+                found = self._targets.get(target)
+                if found is None:
+                    continue
+                replica, rank = found
                 link = self._links.get(replica)
                 if link is None or replica in skip:  # gone, or refused in this turn
                     continue

@@ -119,7 +119,9 @@ class FairQueue:
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
 
     def _dispatch(self) -> None:
-        while self.in_flight < self.capacity and self._any_waiting():
+        capacity = self.capacity
+        assert capacity is not None  # release, its one caller, returns first when unbounded
+        while self.in_flight < capacity and self._any_waiting():
             heads = [q[0] for q in self._waiting.values() if q]
             best = min(heads, key=lambda w: (w.priority, self.counters.get(w.tenant, 0.0),
                                              w.order))

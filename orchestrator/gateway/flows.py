@@ -29,6 +29,7 @@ from orchestrator.gateway.relay import Call, TokenClock, end_in_stream, relay
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.params import decode_body, is_transferable, prefill_body
 from orchestrator.config import DisaggregationSpec
+from router.index import ReplicaId
 from router.recent_prefixes import RecentPrefixes, skip_prefill
 from router.wire import RouteKey
 from tokenfab.errors import LinkLost, ReplyFailed
@@ -40,7 +41,9 @@ class Flow(Protocol):
     """Serves admitted requests. `keys` is CPU work (hashing) that the caller runs off the event
     loop, once per request, before `serve`."""
 
-    pools: Mapping[str, PoolDispatcher]
+    @property
+    def pools(self) -> Mapping[str, PoolDispatcher]:
+        """The flow's pools, by name."""
 
     @property
     def needs_tokens(self) -> bool:
@@ -89,7 +92,7 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
         body = body | {"request_id": call.request_id}  # chunk ids stay the same when continued
     request = Request(call.endpoint, _encode(body), track_tokens=resumable, adapter=call.adapter)
     clock = TokenClock(call, lambda: pool.service.first_token(key.request_id))
-    failed: set[str] = set()
+    failed: set[ReplicaId] = set()
     sent: list[int] = []  # the tokens the client has
     while True:
         try:
@@ -103,8 +106,9 @@ async def _leg(pool: PoolDispatcher, call: Call, key: RouteKey, body: dict[str, 
                 pool.finished(key)
                 sent += stream.ids
         except ReplicaFailed as exc:
-            pool.failed(exc.replica)
-            failed.add(exc.replica)
+            replica = ReplicaId(exc.replica)
+            pool.failed(replica)
+            failed.add(replica)
             retry = len(failed) <= pool.retries  # on a replica not tried yet: one listed, or
             # one that appears within the deadline (Serve replacing the failed one)
             if not call.responder.started:
@@ -166,12 +170,13 @@ class DisaggregatedFlow:
         return _keys(self.pools, request_id, tokens, salt, adapter)
 
     async def serve(self, call: Call, keys: dict[str, RouteKey]) -> Usage | None:
-        params = None
+        params: dict[str, Any] | None = None
         decode_key = keys[self._decode.pool]
         if self._worth_disaggregating(call, decode_key):
-            params = await self._prefill_leg(call, keys[self._prefill.pool])
-            if isinstance(params, Usage):  # the request itself is invalid: answered as is
-                return params
+            prefilled = await self._prefill_leg(call, keys[self._prefill.pool])
+            if isinstance(prefilled, Usage):  # the request itself is invalid: answered as is
+                return prefilled
+            params = prefilled
         self.metrics.path("disaggregated" if params else "decode_only")
         if call.tokens and self._on_decode is not None:
             self._on_decode.record(call.tokens, cache_key(call))  # decode holds them

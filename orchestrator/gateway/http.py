@@ -32,7 +32,8 @@ FIRST_REQUEST_GRACE_S = 2.0
 MAX_HEADER_BYTES = 64 << 10
 MAX_PIPELINED = 16  # requests read ahead of the one being answered; more pause reading
 MAX_QUEUED = 4096  # connections a closing listener takes from its queue at most (backlog 1024)
-_closing: set[asyncio.Task] = set()  # listeners taking their queues (a task needs a holder)
+# listeners taking their queues (a task needs a holder)
+_closing: set[asyncio.Task[None]] = set()
 # accept(2) on Linux: errors of one pending connection, to be treated as a retry (its man page)
 _ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.ENETDOWN, errno.ENOPROTOOPT,
                            errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP,
@@ -128,7 +129,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._pending: deque[HttpRequest] = deque()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._paused = False
         self.closed = False
@@ -219,6 +220,7 @@ class _Connection(asyncio.Protocol):
         self._reset()
         self._pending.append(request)
         if len(self._pending) > MAX_PIPELINED and not self._paused:
+            assert self._transport is not None  # connection_made set it: data came on it
             self._paused = True
             self._transport.pause_reading()
         if self._task is None:
@@ -228,6 +230,7 @@ class _Connection(asyncio.Protocol):
 
     def _next(self) -> None:
         if self._paused and len(self._pending) <= MAX_PIPELINED:
+            assert self._transport is not None  # paused: reading had started on it
             self._paused = False
             self._transport.resume_reading()
         if not self._pending or self.closed:
@@ -260,8 +263,10 @@ class _Connection(asyncio.Protocol):
         self._next()
 
     def write(self, data: bytes) -> None:
-        if not self.closed and not self._transport.is_closing():
-            self._transport.write(data)
+        transport = self._transport
+        assert transport is not None  # connection_made set it before any request came
+        if not self.closed and not transport.is_closing():
+            transport.write(data)
 
     def close(self) -> None:
         if self._transport is not None and not self._transport.is_closing():
@@ -332,7 +337,8 @@ class HttpServer:
         # socket listening until the connections queued on it are taken (`_take_queued`)
         self._listeners = [socket.fromfd(s.fileno(), s.family, s.type)
                            for s in self._server.sockets]
-        return self._server.sockets[0].getsockname()[1]
+        bound: int = self._server.sockets[0].getsockname()[1]
+        return bound
 
     def waiting(self) -> int:
         """Requests received on open connections and not yet handed to the handler."""
@@ -355,7 +361,7 @@ class HttpServer:
                 task = loop.create_task(self._take_queued(listeners))
                 _closing.add(task)
 
-                def done(task: asyncio.Task) -> None:  # also if cancelled before it started
+                def done(task: asyncio.Task[None]) -> None:  # also if cancelled before it started
                     _closing.discard(task)
                     _close_all(listeners)
 

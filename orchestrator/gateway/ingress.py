@@ -99,7 +99,7 @@ def colocated_ingresses(reports: list[ReplicaReport], own_id: str) -> int | None
     return len({r.replica_id for r in reports if r.state == "ready"} | {own_id})
 
 
-def _waker(handle: DeploymentHandle):
+def _waker(handle: DeploymentHandle[Any]) -> Callable[[], Awaitable[None]]:
     async def wake() -> None:
         await handle.wake.remote()
 
@@ -192,8 +192,9 @@ class Ingress:
                  for pool in reversed(self._topology.pools_of(model))}
         if "unified" in pools:
             return UnifiedFlow(pools["unified"])
-        return DisaggregatedFlow(pools["prefill"], pools["decode"],
-                                 self._topology.disaggregation, transfers)
+        prefill, decode = pools["prefill"], pools["decode"]
+        assert transfers is not None  # made when a pool is not unified, as these two are
+        return DisaggregatedFlow(prefill, decode, self._topology.disaggregation, transfers)
 
     def check_health(self) -> None:
         if self._directory_task.done():
@@ -231,7 +232,9 @@ class Gateway:
     """Serve deployment class of the ingress in processes of its own. Holds no state that
     another replica needs."""
 
-    async def __init__(self, topology: dict[str, Any], pools: dict[str, DeploymentHandle]) -> None:
+    # Serve awaits an async constructor, which typing cannot say (__init__ must return None)
+    async def __init__(self, topology: dict[str, Any],  # type: ignore[misc]
+                       pools: dict[str, DeploymentHandle[Any]]) -> None:
         self._ingress = await Ingress.start(
             Topology.model_validate(topology), serve.get_replica_context().replica_id.unique_id,
             {name: _waker(handle) for name, handle in pools.items()})

@@ -71,7 +71,7 @@ class IngressPeers:
         # the other
         self._server = ChannelServer(secret, _SeriesHandler(replica_id, render),
                                      ingress_name(replica_id))
-        self._announcer: asyncio.Task | None = None
+        self._announcer: asyncio.Task[None] | None = None
         self.address = ""
 
     async def start(self, host: str) -> None:

@@ -67,8 +67,8 @@ class _ReplicaCollector:
             states[report.pool, report.role, report.state] += 1
             for field, family in gauges.items():
                 family.add_metric(labels, getattr(report.load, field))
-            for field, family in counters.items():
-                family.add_metric(labels, getattr(report.load, field))
+            for field, counter in counters.items():
+                counter.add_metric(labels, getattr(report.load, field))
             for source, field in _PROMPT_SOURCES.items():
                 prompt.add_metric([*labels, source], getattr(report.load, field))
             for expert, tokens in enumerate(report.expert_tokens):

@@ -1,5 +1,6 @@
-"""mypy, strict, holds over the modules named in pyproject.toml [tool.mypy] (router/ and
-channel/): the suite fails on a finding, as CI runs the suite. Locally: `.venv/bin/mypy`."""
+"""mypy, strict, holds over the modules named in pyproject.toml [tool.mypy] (router/, channel/
+and orchestrator/gateway/, and the modules they import): the suite fails on a finding, as CI runs
+the suite. Locally: `.venv/bin/mypy`."""
 
 from __future__ import annotations
 
