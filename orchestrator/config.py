@@ -14,9 +14,11 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from orchestrator.adapter_config import AdapterSpec, LoraSpec, resolved_path
 from orchestrator.strict import Strict as _Strict
-# The pool, router, tenant and admission sections live in their own modules; they are part of
-# this document (PoolSpec re-exported: the gateway takes the schema from here)
-from orchestrator.pool_config import ByteSize, PoolSpec as PoolSpec, check_owned, parse_bytes
+# The gateway, pool, router, tenant and admission sections live in their own modules; they are
+# part of this document (GatewaySpec and PoolSpec re-exported: the gateway takes the schema from
+# here)
+from orchestrator.gateway_config import GatewaySpec as GatewaySpec
+from orchestrator.pool_config import PoolSpec as PoolSpec, check_owned
 from orchestrator.router_config import RouterSpec
 from orchestrator.tenant_config import AdmissionSpec, AuthSpec, TenantSpec
 from tokenfab.errors import TopologyError
@@ -63,40 +65,6 @@ class ModelSpec(_Strict):
         except (OSError, ValueError):
             return None
         return any((fields.get(key) or 0) > 1 for key in MOE_EXPERT_FIELDS)
-
-
-class GatewaySpec(_Strict):
-    """The OpenAI-compatible HTTP endpoint."""
-
-    host: str = Field("127.0.0.1", description="Address the gateway listens on (its replicas on "
-                      "a node share it).")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-    route_prefix: str = Field("/", pattern=r"^/", description="URL prefix of this application.")
-    replicas: int = Field(1, ge=1, description="Ingress replicas (in processes of their own; "
-                          "with colocate, the pool's replicas are the ingress replicas).")
-    colocate: bool = Field(
-        False, description="Serve the gateway from the pool's replicas instead of processes of "
-        "its own: each replica listens on host:port of its node (they share it) and answers the "
-        "requests it places on itself in-process, one process and one hop fewer per request. A "
-        "single unified pool that keeps at least one replica, on nodes where host is reachable; "
-        "the replicas share the tenants' limits as they come and go.")
-    request_timeout_s: float = Field(300.0, gt=0, description="Deadline for one request.")
-    retries: int = Field(
-        2, ge=0, description="Times a request goes to another replica of its pool when the one "
-        "it was on failed (engine dead, replica gone): before any byte of the answer reached the "
-        "client, within the request's deadline; after, as a continuation of its stream (see "
-        "migrate). With no other replica listed, it waits for one (Serve replacing the failed "
-        "one) until that deadline. Charged once.")
-    migrate: bool = Field(
-        True, description="Continue a stream whose replica failed after tokens reached the "
-        "client on another replica, from the tokens the client has (one stream, usage as one "
-        "request). Streams carry their token ids from replica to gateway for this.")
-    max_body_bytes: ByteSize = Field(1_048_576, description="Largest accepted request body.")
-
-    @field_validator("max_body_bytes", mode="before")
-    @classmethod
-    def _bytes(cls, value: Any) -> Any:
-        return parse_bytes(value)
 
 
 class DisaggregationSpec(_Strict):

@@ -1,7 +1,9 @@
 """A small HTTP/1.1 server for the gateway: httptools parses, the handler answers, bytes go out.
 
 It is what the request path needs and no more: keep-alive, pipelined requests answered in order,
-bodies capped at a size, JSON and server-sent-event replies (chunked), an idle timeout, a client
+bodies capped at a size, JSON and server-sent-event replies (chunked), every phase of a request
+timed out (its head, its body, the idle time between requests) and the connections capped per
+process and per client address (`Limits`), a client
 that leaves cancels the handler of its request, and a close that drains: no new connection, an
 idle kept-alive one closed at once, a busy one after its answers (`connection: close`), one
 that has not sent its first request yet after that request or FIRST_REQUEST_GRACE_S, and
@@ -16,15 +18,17 @@ import asyncio
 import errno
 import logging
 import socket
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import cast
 
 import httptools
 
+from orchestrator.gateway.connection_limits import Limits
+
 logger = logging.getLogger("ray.serve").getChild("tokenfab.http")
 
-IDLE_TIMEOUT_S = 75.0  # a kept-alive connection with no request for this long is closed
 # A drain gives a connection that has not sent its first request yet this long to send it: the
 # client connected to send one (a fresh connection is not a kept-alive one the client may find
 # closed and retry), so it is answered, with `connection: close`, not dropped.
@@ -131,6 +135,7 @@ class _Connection(asyncio.Protocol):
         self._pending: deque[HttpRequest] = deque()
         self._task: asyncio.Task[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None  # armed while the client reads nothing
         self._paused = False
         self.closed = False
         self._answered = 0  # requests taken up for an answer
@@ -149,8 +154,13 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        self._server.connections.add(self)
+        # a stream server's, read and write (uvloop's is not an asyncio.Transport subclass)
+        self._transport = tcp = cast(asyncio.Transport, transport)
+        if not self._server.admit(self, tcp.get_extra_info("peername")):
+            tcp.close()  # over a cap: closed before a byte is read
+            self.closed = True
+            return
+        tcp.set_write_buffer_limits(self._server.limits.write_buffer_bytes)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -160,8 +170,9 @@ class _Connection(asyncio.Protocol):
             self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
-        self._disarm_idle()
         if self._in_head:
+            if not self._head_bytes:  # a request's first bytes: its head has a deadline
+                self._arm(self._server.limits.header_timeout_s, "header")
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEADER_BYTES + 8192:  # the parser buffers a head whole
                 self._reject(431, "request headers are too large")
@@ -178,10 +189,32 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._server.connections.discard(self)
+        self._server.release(self)
         self._disarm_idle()
+        self.resume_writing()
         if self._task is not None:
             self._task.cancel()  # the client left: its request's handler stops (and cleans up)
+
+    def pause_writing(self) -> None:
+        """The reply is buffered past `write_buffer_bytes`: the client is not reading it. Unless
+        it reads within `stalled_client_timeout_s`, the connection is dropped (which cancels the
+        request's handler: its engine stops generating; what was sent is charged)."""
+        self._stall = asyncio.get_running_loop().call_later(
+            self._server.limits.stalled_client_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        self._server.tripped("stalled_client")
+        if self._transport is not None:
+            logger.warning("dropping a connection whose client read nothing for %g s (%d bytes "
+                           "of reply waiting)", self._server.limits.stalled_client_timeout_s,
+                           self._transport.get_write_buffer_size())
+            self._transport.abort()
 
     # -- httptools callbacks ------------------------------------------------------------------
 
@@ -198,6 +231,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._arm(self._server.limits.body_timeout_s, "body")  # done with the message if none
         declared = self._headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._server.max_body_bytes:
             self._too_large = True
@@ -210,6 +244,7 @@ class _Connection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._disarm_idle()
         url = httptools.parse_url(self._url)
         request = HttpRequest(
             self._parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
@@ -237,7 +272,7 @@ class _Connection(asyncio.Protocol):
             self._task = None
             if self._server.draining:
                 self.close()
-            elif not self.closed:
+            elif not self.closed and not self._head_bytes:  # no head on its way: idle
                 self._arm_idle()
             return
         request = self._pending.popleft()
@@ -311,7 +346,23 @@ class _Connection(asyncio.Protocol):
         return self._task is None and not self._pending and self._in_head and not self._head_bytes
 
     def _arm_idle(self) -> None:
-        self._idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT_S, self.close)
+        self._disarm_idle()
+        self._idle = asyncio.get_running_loop().call_later(self._server.limits.idle_timeout_s,
+                                                           self.close)
+
+    def _arm(self, seconds: float, phase: str) -> None:
+        """The request's `phase` (head or body) must be in within `seconds`."""
+        self._disarm_idle()
+        self._idle = asyncio.get_running_loop().call_later(seconds, self._timed_out, phase,
+                                                           seconds)
+
+    def _timed_out(self, phase: str, seconds: float) -> None:
+        self._idle = None
+        self._server.tripped(f"{phase}_timeout")
+        if self._task is None and not self._pending:
+            self._reject(408, f"the request's {phase} did not arrive within {seconds:g} s")
+        else:  # an answer is being written: no second one can start
+            self.close()
 
     def _disarm_idle(self) -> None:
         if self._idle is not None:
@@ -322,12 +373,44 @@ class _Connection(asyncio.Protocol):
 class HttpServer:
     """Serves `handler` on one address; several processes may share it (SO_REUSEPORT)."""
 
-    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
-        self.handler, self.max_body_bytes = handler, max_body_bytes
+    def __init__(self, handler: Handler, max_body_bytes: int, limits: Limits = Limits(),
+                 on_limit: Callable[[str], None] | None = None) -> None:
+        self.handler, self.max_body_bytes, self.limits = handler, max_body_bytes, limits
+        self._on_limit = on_limit  # called with one of LIMIT_REASONS when a limit trips
         self._server: asyncio.Server | None = None
         self._listeners: list[socket.socket] = []
         self.connections: set[_Connection] = set()
+        self._per_client: Counter[str] = Counter()
+        self._client: dict[_Connection, str] = {}
         self.draining = False
+
+    def admit(self, connection: _Connection, peer: object) -> bool:
+        """Count a new connection in, unless it is over a cap (then it is counted as tripped)."""
+        client = peer[0] if isinstance(peer, tuple) and peer else ""
+        cap = self.limits.max_connections_per_client
+        if len(self.connections) >= self.limits.max_connections:
+            self.tripped("max_connections")
+            return False
+        if cap is not None and client and self._per_client[client] >= cap:
+            self.tripped("max_connections_per_client")
+            return False
+        self.connections.add(connection)
+        if client:
+            self._client[connection] = client
+            self._per_client[client] += 1
+        return True
+
+    def release(self, connection: _Connection) -> None:
+        self.connections.discard(connection)
+        client = self._client.pop(connection, None)
+        if client is not None:
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
+
+    def tripped(self, reason: str) -> None:
+        if self._on_limit is not None:
+            self._on_limit(reason)
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()

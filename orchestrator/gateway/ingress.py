@@ -26,6 +26,7 @@ from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.flows import DisaggregatedFlow, Flow, UnifiedFlow
 from orchestrator.gateway.http import HttpServer
+from orchestrator.gateway.connection_limits import Limits
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.peers import IngressPeers
 from orchestrator.gateway.routes import Routes
@@ -169,7 +170,11 @@ class Ingress:
                       gateway.route_prefix, transfers, tenants.authenticate_admin, catalog)
         self._routes = routes = Routes(topology_, admission, flows, metrics, admin, counters,
                                        catalog)
-        self._server = HttpServer(routes.handle, gateway.max_body_bytes)
+        limits = Limits(gateway.header_timeout_s, gateway.body_timeout_s, gateway.idle_timeout_s,
+                        gateway.max_connections, gateway.max_connections_per_client,
+                        gateway.stalled_client_timeout_s)
+        self._server = HttpServer(routes.handle, gateway.max_body_bytes, limits,
+                                  metrics.connection_limit)
         if gateway.colocate:  # every replica of the pool is an ingress: they share the limits
             def count(reports: list[ReplicaReport]) -> None:
                 if (ingresses := colocated_ingresses(reports, replica_id)) is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from channel.frames import Usage
+from orchestrator.gateway.connection_limits import LIMIT_REASONS
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -47,6 +48,12 @@ class GatewayMetrics:
                                ["tenant"], registry=registry)
         self.queued = Gauge("tokenfab_gateway_queued", "Requests waiting for capacity",
                             ["tenant"], registry=registry)
+        self.connection_limits = Counter(
+            "tokenfab_gateway_connection_limits", "Connections closed by a timeout of a "
+            "request's phase or refused over a connection cap, by reason", ["reason"],
+            registry=registry)
+        for reason in LIMIT_REASONS:
+            self.connection_limits.labels(reason)
         for tenant in tenants:  # every series exists from the start, at 0
             for kind in ("prompt", "completion", "cached"):
                 for model in models or [UNKNOWN_MODEL]:
@@ -64,3 +71,6 @@ class GatewayMetrics:
         self.tokens.labels(tenant, "prompt", model).inc(usage.prompt_tokens)
         self.tokens.labels(tenant, "completion", model).inc(usage.completion_tokens)
         self.tokens.labels(tenant, "cached", model).inc(usage.cached_tokens)
+
+    def connection_limit(self, reason: str) -> None:
+        self.connection_limits.labels(reason).inc()

@@ -70,6 +70,26 @@ def too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0) > limit
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
+
+
+def check_roles(body: dict[str, Any]) -> None:
+    """A chat request's messages have OpenAI's roles, or the request gets a 400 naming the
+    message (vLLM's own server takes any role; OpenAI's API does not). Messages that are not
+    objects, or a `messages` that is not a list, are left to the engine's validation.
+
+    Example: {"messages": [{"role": "user"}, {"role": "wizard"}]} -> 400, messages[1].role.
+    """
+    messages = body.get("messages")
+    for index, message in enumerate(messages if isinstance(messages, list) else ()):
+        if isinstance(message, dict) and message.get("role") not in CHAT_ROLES:
+            role = message.get("role")
+            problem = "field required" if role is None else \
+                f"{role!r} is not one of {', '.join(CHAT_ROLES)}"
+            raise GatewayError(400, f"messages[{index}].role: {problem}",
+                               f"messages[{index}].role")
+
+
 def _single(prompts: list[list[int]] | None) -> list[int] | None:
     """The token ids of a request with one prompt; None for a batch (no one prefix to follow,
     routed by load) or when they were not counted."""
@@ -184,7 +204,7 @@ class Routes:
         try:
             spec = self._admission.authenticate(request.headers.get("authorization"))
             tenant = spec.name
-            body = self.read_body(request)
+            body = self.read_body(request, endpoint)
             model, adapter = self._catalog.resolve(spec, body["model"])
             body = self._admission.shape(spec, endpoint, body)
             prompts, keys = await self._prepare(request_id, endpoint, body, len(request.body),
@@ -210,7 +230,7 @@ class Routes:
                 self._record(request_id, tenant, endpoint, status, started, call, usage,
                              ticket.queued_s if ticket else 0.0)
 
-    def read_body(self, request: HttpRequest) -> dict[str, Any]:
+    def read_body(self, request: HttpRequest, endpoint: str) -> dict[str, Any]:
         limit = self._topology.gateway.max_body_bytes
         if request.too_large:
             raise GatewayError(413, f"request body is larger than {limit} bytes")
@@ -231,6 +251,8 @@ class Routes:
         if "kv_transfer_params" in body:  # it names engines and blocks: other tenants' KV
             raise GatewayError(400, "kv_transfer_params: set by the gateway between its pools; "
                                "a request may not carry it", "kv_transfer_params")
+        if endpoint == "chat":
+            check_roles(body)
         return body
 
     async def _prepare(self, request_id: str, endpoint: str, body: dict[str, Any],
@@ -274,7 +296,7 @@ class Routes:
         carries (401 without one, where auth is on), so the answer shows only the caller's own
         cache, never another tenant's."""
         spec = self._admission.authenticate(request.headers.get("authorization"))
-        body = self.read_body(request)
+        body = self.read_body(request, endpoint)
         model, adapter = self._catalog.resolve(spec, body["model"])
         body = self._admission.shape(spec, endpoint, body)
         _, keys = await asyncio.to_thread(self._tokens_and_keys, "explain", endpoint, body,

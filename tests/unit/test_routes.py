@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import load_topology
+from orchestrator.gateway.errors import GatewayError
 from orchestrator.gateway.relay import Call
-from orchestrator.gateway.routes import (engine_body, gateway_tokenizer_is_engines,
+from orchestrator.gateway.routes import (check_roles, engine_body, gateway_tokenizer_is_engines,
                                          request_id_for, tenant_view)
 
 TOPOLOGY = Path(__file__).resolve().parents[1] / "integration/topology.yaml"
@@ -76,3 +77,23 @@ def test_a_tenant_sees_its_own_cache_not_the_replicas_load() -> None:
         "pool": "main", "policy": "kv_aware", "prompt_tokens": 40, "block_size": 16,
         "block_hashes": ["a1", "b2"],
         "candidates": [{"replica": "r1", "cached_tokens": 32, "approx_cached_tokens": 0}]}
+
+
+@pytest.mark.parametrize("messages, field, problem", [
+    ([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}],
+     "messages[1].role", "'wizard' is not one of"),
+    ([{"content": "no role"}], "messages[0].role", "field required"),
+    ([{"role": ["user"]}], "messages[0].role", "['user'] is not one of"),
+])
+def test_a_chat_role_outside_openais_is_a_400_naming_the_message(messages, field, problem):
+    with pytest.raises(GatewayError) as raised:
+        check_roles({"model": "tiny", "messages": messages})
+    assert (raised.value.status, raised.value.param) == (400, field)
+    assert raised.value.message.startswith(f"{field}: {problem}")
+
+
+def test_openais_roles_and_bodies_left_to_the_engine_pass() -> None:
+    roles = ["system", "developer", "user", "assistant", "tool", "function"]
+    check_roles({"messages": [{"role": role, "content": "x"} for role in roles]})
+    for messages in (None, "text", [["not", "an", "object"]], [1]):
+        check_roles({"messages": messages})  # the engine's validation names these
