@@ -66,9 +66,9 @@ core (to reproduce a co-located client's stalls). Before each replay the script 
         [--kv-cache 24MiB] [--trace FILE] [--limit N] [--raw DIR] [--unprioritised]
 
 About 25 minutes a repeat on 2 cores. Writes benchmarks/results/h2h.json (`--window no-reuse`:
-h2h-noreuse.json), and the .md and .png beside it (`--out` names the JSON). Helpers: traces.py
-(sampling, prompts), process_cpu.py (CPU per process and its role), baseline_stack.py (vLLM
-servers and routers), h2h_client.py (requests and replays), h2h_figures.py (figures, repeats,
+h2h-noreuse.json), and the .md and .png beside it (`--out` names the JSON). Helpers in common/:
+traces (sampling, prompts), process_cpu (CPU per process and its role), baseline (vLLM servers
+and routers), client (requests and replays); beside it: h2h_figures.py (figures, repeats,
 goodput), h2h_report.py (ratios, Markdown, chart).
 """
 
@@ -216,9 +216,10 @@ class Bench:
         """Replay this front at rising rates (x1.4 from the highest load so far, at most 8
         steps) until its TTFT p90 misses the target or a request fails; that rate and the one
         before it are added to the loads, so the highest is past this front's knee. Run for
-        round_robin's first front, then for every other policy's in the first repeat: a policy
-        that still meets the target at the highest load would otherwise have a goodput known
-        only as "at least"."""
+        round_robin's first front, then for every front of another policy in the first repeat:
+        one that still meets the target at the highest load would otherwise have a goodput
+        known only as "at least". Fronts that ran before a search in that repeat lack the rates
+        it added there (their median at those rates is of the later repeats)."""
         rate, probes = max(self.rates), []
         for step in range(8):
             run = self._clean_replay(front, rate, 700_000 + 10 * step, None)

@@ -63,6 +63,8 @@ async def interactive(client: httpx.AsyncClient, index: int, until: float, out: 
         body = {"model": "tiny", "prompt": f"stream {index} turn {turn}: tell me a story",
                 "max_tokens": INTERACTIVE_TOKENS, "ignore_eos": True, "stream": True}
         r = await one_request(client, body, "/completions")
+        if r["status"] != 200:  # the run measures nothing once a stream fails: stop it
+            raise RuntimeError(f"stream {index} turn {turn}: {r['status']} {r['error']}")
         out.append({"sent": r["sent"], "stamps": [r["sent"] + at for at, _ in r["chunks"]]})
         turn += 1
 

@@ -1,5 +1,5 @@
 """Which engine served each request behind a third-party router: ASGI middleware for a vLLM
-OpenAI server (`--middleware engine_log.RequestLog`, this directory on PYTHONPATH) that appends
+OpenAI server (`--middleware benchmarks.common.engine_log.RequestLog`) that appends
 one JSON line per `/v1/completions` request to the file `ENGINE_REQUEST_LOG` names: the time it
 arrived and a digest of its prompt (benchmarks/port_fidelity.py reads them).
 

@@ -30,7 +30,7 @@ def prioritise_client(nice: int) -> dict[str, Any]:
     which then shows as TTFT (measured: sglang-router round robin at 3.5 req/s, TTFT p90 0.23 s
     with each baseline process in a session of its own, 1.2-2.2 s with the whole stack in one,
     0.11 s with the client at autogroup nice -10). So every stack gets one session of its own
-    (baseline_stack.Session, `ray start`), and the client a session at `nice`, its group's and
+    (baseline.Session, `ray start`), and the client a session at `nice`, its group's and
     its own (the latter counts where autogroups are off)."""
     if os.getsid(0) != os.getpid():
         try:

@@ -2,14 +2,13 @@
 
 It is what the request path needs and no more: keep-alive, pipelined requests answered in order,
 bodies capped at a size, JSON and server-sent-event replies (chunked), every phase of a request
-timed out (its head, its body, the idle time between requests) and the connections capped per
-process and per client address (`Limits`), a client
-that leaves cancels the handler of its request, and a close that drains: no new connection, an
-idle kept-alive one closed at once, a busy one after its answers (`connection: close`), one
-that has not sent its first request yet after that request or FIRST_REQUEST_GRACE_S, and
-the connections the kernel had queued on the closing listener answered, not reset. A streamed
-reply's chunks are written to the socket by whoever has them (the channel's callback), with no
-task switch per chunk.
+timed out (head, body, idle time between requests, a reply left unread) and connections capped
+per process and per client address (`Limits`), a client that leaves cancels the handler of its
+request, and a close that drains: no new connection, an idle kept-alive one closed at once, a
+busy one after its answers (`connection: close`), one that has not sent its first request yet
+after that request or FIRST_REQUEST_GRACE_S, and the connections the kernel had queued on the
+closing listener answered, not reset. A streamed reply's chunks are written to the socket by
+whoever has them (the channel's callback), with no task switch per chunk.
 """
 
 from __future__ import annotations
@@ -136,12 +135,14 @@ class _Connection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None  # armed while the client reads nothing
+        self._overdue: str | None = None  # a request timed out behind an answer being written
         self._paused = False
         self.closed = False
         self._answered = 0  # requests taken up for an answer
         self._reset()
 
     def _reset(self) -> None:
+        self._started = False  # a byte of the next request has arrived
         self._head_bytes = 0  # bytes received while the request's head is not complete
         self._in_head = True
         self._url = b""
@@ -170,22 +171,21 @@ class _Connection(asyncio.Protocol):
             self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            if not self._head_bytes:  # a request's first bytes: its head has a deadline
-                self._arm(self._server.limits.header_timeout_s, "header")
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEADER_BYTES + 8192:  # the parser buffers a head whole
-                self._reject(431, "request headers are too large")
-                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._reject(400, "protocol upgrades are not supported")
+            return
         except httptools.HttpParserError as exc:
             if self._header_bytes > MAX_HEADER_BYTES:  # raised from on_header, wrapped
                 self._reject(431, "request headers are too large")
             else:
                 self._reject(400, f"malformed HTTP request: {exc}")
+            return
+        if self._started and self._in_head:  # a head still incomplete: the parser buffers it
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEADER_BYTES + 8192:
+                self._reject(431, "request headers are too large")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -217,6 +217,10 @@ class _Connection(asyncio.Protocol):
             self._transport.abort()
 
     # -- httptools callbacks ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._started = True  # its head has a deadline from its first byte
+        self._arm(self._server.limits.header_timeout_s, "header")
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -264,15 +268,17 @@ class _Connection(asyncio.Protocol):
     # -- answering ----------------------------------------------------------------------------
 
     def _next(self) -> None:
-        if self._paused and len(self._pending) <= MAX_PIPELINED:
+        if self._paused and len(self._pending) <= MAX_PIPELINED and self._overdue is None:
             assert self._transport is not None  # paused: reading had started on it
             self._paused = False
             self._transport.resume_reading()
         if not self._pending or self.closed:
             self._task = None
-            if self._server.draining:
+            if self._overdue is not None and not self.closed:
+                self._reject(408, self._overdue)  # now that the answer before it is out
+            elif self._server.draining:
                 self.close()
-            elif not self.closed and not self._head_bytes:  # no head on its way: idle
+            elif not self.closed and not self._started:  # no request on its way: idle
                 self._arm_idle()
             return
         request = self._pending.popleft()
@@ -307,6 +313,7 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
         self.closed = True
+        self._disarm_idle()  # no deadline of a closed connection trips
 
     def _reject(self, status: int, message: str) -> None:
         body = (b'{"error": {"message": "%s", "type": "BadRequestError", "param": null, '
@@ -343,7 +350,7 @@ class _Connection(asyncio.Protocol):
 
     def _nothing_in_progress(self) -> bool:
         """No request being answered, waiting, or partly received."""
-        return self._task is None and not self._pending and self._in_head and not self._head_bytes
+        return self._task is None and not self._pending and not self._started
 
     def _arm_idle(self) -> None:
         self._disarm_idle()
@@ -359,10 +366,14 @@ class _Connection(asyncio.Protocol):
     def _timed_out(self, phase: str, seconds: float) -> None:
         self._idle = None
         self._server.tripped(f"{phase}_timeout")
+        message = f"the request's {phase} did not arrive within {seconds:g} s"
         if self._task is None and not self._pending:
-            self._reject(408, f"the request's {phase} did not arrive within {seconds:g} s")
-        else:  # an answer is being written: no second one can start
-            self.close()
+            self._reject(408, message)
+        else:  # the answers before it go out first; nothing more is read meanwhile
+            self._overdue = message
+            if not self._paused and self._transport is not None:
+                self._paused = True
+                self._transport.pause_reading()
 
     def _disarm_idle(self) -> None:
         if self._idle is not None:

@@ -85,7 +85,7 @@ def check_roles(body: dict[str, Any]) -> None:
         if isinstance(message, dict) and message.get("role") not in CHAT_ROLES:
             role = message.get("role")
             problem = "field required" if role is None else \
-                f"{role!r} is not one of {', '.join(CHAT_ROLES)}"
+                f"{repr(role)[:40]} is not one of {', '.join(CHAT_ROLES)}"
             raise GatewayError(400, f"messages[{index}].role: {problem}",
                                f"messages[{index}].role")
 

@@ -196,3 +196,44 @@ def test_a_reply_the_client_does_not_read_is_dropped_after_the_stall_timeout(loo
         server.close()
 
     run(scenario(), loop_factory)
+
+
+def test_a_pipelined_request_has_its_deadline_and_waits_for_the_answer_before_it(
+        loop_factory) -> None:
+    """One write holds a whole request and the start of the next: the first is answered in
+    full, then the second, whose head never completes, gets its 408 at its own deadline."""
+    async def slow(request: HttpRequest, responder: Responder) -> None:
+        await asyncio.sleep(0.5)  # longer than the next request's header deadline
+        responder.send(200, b"{}")
+
+    async def scenario() -> None:
+        tripped: list[str] = []
+        server = HttpServer(slow, 1024, Limits(header_timeout_s=0.2), tripped.append)
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await connect(port)
+        writer.write(GET + b"GET /next HTTP/1.1\r\nhost:")
+        reply = await closed_within(reader, 3)
+        first, _, rest = reply.partition(b"\r\n\r\n{}")
+        assert first.startswith(b"HTTP/1.1 200") and rest.startswith(b"HTTP/1.1 408")
+        assert tripped == ["header_timeout"]
+        writer.close()
+        server.close()
+
+    run(scenario(), loop_factory)
+
+
+def test_a_body_read_with_its_head_does_not_count_as_head(loop_factory) -> None:
+    """A head and a 100 KiB body in one write are a request, not a 431."""
+    async def scenario() -> None:
+        server = HttpServer(answer, 1 << 20, Limits())
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await connect(port)
+        body = b"x" * (100 << 10)
+        writer.write(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n%b"
+                     % (len(body), body))
+        reply = await asyncio.wait_for(reader.read(4096), 3)
+        assert reply.startswith(b"HTTP/1.1 200")
+        writer.close()
+        server.close()
+
+    run(scenario(), loop_factory)
