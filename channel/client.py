@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from channel import frames
+from channel import frames, seal
 from channel.frames import (Adapters, Head, Held, Hello, Kind, Open, Refused, Request, Usage,
                             hello_proof)
 from tokenfab.errors import LinkLost, ReplyFailed
@@ -119,6 +119,7 @@ class ReplicaLink(asyncio.Protocol):
             raise LinkLost(f"replica {self.replica} at {self.host}:{self.port}: {exc!r}") from exc
         proof = hello_proof(self._secret, nonce, self._nonce, self._gateway)
         self._send(Kind.HELLO, 0, frames.encode(Hello(proof, self._gateway)))
+        self._writer.seal(seal.Sealer(seal.keys(self._secret, self._nonce, nonce)[0]))
         if self.state == "connecting":  # a STATE frame may not have come yet: ready until told
             self.state = "ready"
 
@@ -185,6 +186,7 @@ class ReplicaLink(asyncio.Protocol):
                 raise frames.ProtocolError("the replica's proof failed")
             challenge.set_result(nonce)
             self._reader.max_payload = frames.MAX_PAYLOAD
+            self._reader.opener = seal.Opener(seal.keys(self._secret, self._nonce, nonce)[1])
             return
         if kind == Kind.CHALLENGE:
             raise frames.ProtocolError("a second challenge")

@@ -13,8 +13,13 @@ connection:
 
 The gateway sends nothing more (no request) to a peer whose proof fails: a process that took a
 replica's address, or another replica answering for it, learns no prompt. A proof recorded on one
-connection opens no other. A request's stream id is chosen by the gateway, unique on its
-connection. Per request, the replica sends exactly one of:
+connection opens no other. Every frame after each end's part of the handshake (the replica's
+after its CHALLENGE, the gateway's after its HELLO) travels sealed, under keys of this connection
+made from the secret and both nonces (seal.py): no prompt, answer or token id crosses the wire
+in the clear, and a changed, replayed or reordered byte closes the connection.
+
+A request's stream id is chosen by the gateway, unique on its connection. Per request, the
+replica sends exactly one of:
 
     REFUSED                            not taken (draining, full): the gateway tries elsewhere
     HEAD (DATA | TOKEN | TOKENS)* (END | FAILED)
@@ -39,6 +44,7 @@ from typing import Literal, overload
 
 import msgspec
 
+from channel.seal import Opener, Sealer
 from tokenfab.errors import ProtocolError as ProtocolError  # raised as frames.ProtocolError
 
 HEADER = struct.Struct("!IIB")
@@ -46,7 +52,7 @@ MAX_PAYLOAD = 64 << 20  # a frame larger than this is a protocol error (request 
 MAX_HELLO_PAYLOAD = 4096  # before a peer proves the secret: HELLO is well under this
 SECRET_BYTES = 32
 NONCE_BYTES = 16
-VERSION = 3  # of the handshake: a gateway and a replica of different versions do not talk
+VERSION = 4  # of the handshake: a gateway and a replica of different versions do not talk
 
 
 class Kind(IntEnum):
@@ -228,16 +234,19 @@ def frame(kind: Kind, stream: int, payload: bytes = b"") -> bytes:
 
 
 class FrameReader:
-    """Cuts a byte stream into frames; feed it whatever the socket delivered."""
+    """Cuts a byte stream into frames; feed it whatever the socket delivered. Once `opener` is
+    set (between frames, when the handshake is done) the bytes after that frame are sealed
+    records (seal.py), opened before they are cut."""
 
     def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
         self._buffer = bytearray()
         self.max_payload = max_payload  # may be raised between frames (after a HELLO)
+        self.opener: Opener | None = None
 
     def feed(self, data: bytes) -> Iterator[tuple[int, int, bytes]]:
         """(kind, stream, payload) of every frame completed by `data`, in order."""
-        buffer = self._buffer
-        buffer += data
+        buffer, opener = self._buffer, self.opener
+        buffer += data if opener is None else opener.open(data)
         offset, size = 0, len(buffer)
         try:
             while size - offset >= HEADER.size:
@@ -249,21 +258,35 @@ class FrameReader:
                     break
                 yield kind, stream, bytes(buffer[offset + HEADER.size:end])
                 offset = end
+                if opener is not self.opener:  # that frame ended the handshake: sealed from here
+                    opener = self.opener
+                    assert opener is not None  # set once, never unset
+                    rest = bytes(buffer[offset:])
+                    del buffer[:]
+                    buffer += opener.open(rest)
+                    offset, size = 0, len(buffer)
         finally:
             del buffer[:offset]
 
 
 class FrameWriter:
     """Frames sent during one turn of the event loop leave in one write: the engine answers every
-    running request in the same step, so a step of N streams costs one system call, not N.
-    Frames sent before there is a transport, or after it closed, are dropped."""
+    running request in the same step, so a step of N streams costs one system call, not N (and
+    one sealed record, once `seal` was called). Frames sent before there is a transport, or
+    after it closed, are dropped."""
 
-    __slots__ = ("transport", "_out", "_scheduled")
+    __slots__ = ("transport", "_out", "_scheduled", "_sealer")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._out = bytearray()
         self._scheduled = False
+        self._sealer: Sealer | None = None
+
+    def seal(self, sealer: Sealer) -> None:
+        """Seal every frame sent from now on; those sent before leave first, as they are."""
+        self._flush()
+        self._sealer = sealer
 
     def send(self, kind: int, stream: int, payload: bytes = b"") -> None:
         self._out += HEADER.pack(len(payload), stream, kind)
@@ -276,4 +299,4 @@ class FrameWriter:
         self._scheduled = False
         out, self._out = self._out, bytearray()
         if out and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(out)
+            self.transport.write(out if self._sealer is None else self._sealer.seal(out))

@@ -17,7 +17,7 @@ import socket
 from functools import partial
 from typing import Protocol
 
-from channel import frames
+from channel import frames, seal
 from channel.frames import (Adapters, Challenge, Failed, Head, Kind, Refused, Request, State,
                             Tokens, Usage)
 from channel.local import LocalLink
@@ -101,6 +101,7 @@ class _Connection(asyncio.Protocol):
         self.held = 0
         self._nonce = secrets.token_bytes(frames.NONCE_BYTES)  # this connection's challenge
         self._opened: bytes | None = None  # the gateway's nonce, from its OPEN
+        self._keys = (b"", b"")  # the connection's (to replica, to gateway), after the OPEN
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -133,6 +134,8 @@ class _Connection(asyncio.Protocol):
             server = self._server
             proof = frames.replica_proof(server.secret, self._opened, self._nonce, server.name)
             self.send(Kind.CHALLENGE, 0, frames.encode(Challenge(self._nonce, proof)))
+            self._keys = seal.keys(server.secret, self._opened, self._nonce)
+            self._writer.seal(seal.Sealer(self._keys[1]))
         elif self.gateway is None:
             hello = frames.decode(Kind.HELLO, payload) if kind == Kind.HELLO else None
             if hello is None or not hmac.compare_digest(
@@ -141,6 +144,7 @@ class _Connection(asyncio.Protocol):
                 raise frames.ProtocolError("no valid HELLO")
             self.gateway = hello.gateway
             self._reader.max_payload = frames.MAX_PAYLOAD
+            self._reader.opener = seal.Opener(self._keys[0])
             self._server.greet(self)
         elif kind == Kind.REQUEST:
             self._request(stream, frames.decode(Kind.REQUEST, payload))

@@ -25,7 +25,7 @@ TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"  # Mooncake's public
 PAGES = {  # results file (no suffix) -> the module whose markdown(result) renders its page
     "h2h": "benchmarks.h2h_report", "h2h-noreuse": "benchmarks.h2h_report",
     "h2h-noreuse-rr": "benchmarks.h2h_report", "h2h-unprioritised": "benchmarks.h2h_report",
-    "lora": "benchmarks.lora_report", "port_fidelity": "benchmarks.port_fidelity",
+    "channel_seal": "benchmarks.channel_seal", "lora": "benchmarks.lora_report", "port_fidelity": "benchmarks.port_fidelity",
     "soak": "benchmarks.soak",
     "resume_identity": "benchmarks.resume_identity", "router_cost": "benchmarks.router_cost",
     "sim_fidelity": "benchmarks.sim_fidelity",

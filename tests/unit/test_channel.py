@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from channel import frames
+from channel import frames, seal
 from channel.client import ReplicaLink
 from channel.frames import FrameReader, Head, Hello, Kind, Refused, Request, Usage
 from tests.unit.replicas import SECRET, ScriptedReplica, Step, streamed, whole
@@ -153,11 +153,16 @@ def test_a_gateway_proves_the_secret_without_sending_it_and_a_recorded_hello_ope
         for _ in range(2):  # two connections: a new nonce each, proved with the secret
             reader, writer, nonce = await _challenged(replica.port, gateway_nonce=ours)
             hello = frames.encode(Hello(frames.hello_proof(SECRET, nonce, ours, "gw"), "gw"))
-            writer.write(frames.frame(Kind.HELLO, 0, hello)
-                         + frames.frame(Kind.REQUEST, 1, frames.encode(request())))
-            kinds = [kind for kind, _, _ in FrameReader().feed(
-                await asyncio.wait_for(reader.readuntil(b"}"), 2.0))]
-            assert kinds[0] == Kind.HEAD  # served
+            to_replica, to_gateway = seal.keys(SECRET, ours, nonce)
+            writer.write(frames.frame(Kind.HELLO, 0, hello) + seal.Sealer(to_replica).seal(
+                frames.frame(Kind.REQUEST, 1, frames.encode(request()))))
+            replies = FrameReader()
+            replies.opener = seal.Opener(to_gateway)
+            kinds: list[int] = []
+            while Kind.END not in kinds:
+                kinds += [kind for kind, _, _ in replies.feed(
+                    await asyncio.wait_for(reader.read(4096), 2.0))]
+            assert Kind.HEAD in kinds  # served
             hellos.append((nonce, hello))
             writer.close()
         assert hellos[0][0] != hellos[1][0]
