@@ -18,6 +18,11 @@ class Limits:
     max_connections_per_client: int | None = 1024  # of one client address
     stalled_client_timeout_s: float = 60.0  # a reply the client has not read for this long
     write_buffer_bytes: int = 64 << 10  # a reply buffered beyond this: the client is not reading
+    # The kernel's send buffer of a client connection (SO_SNDBUF, which Linux doubles). Left to
+    # itself it grows to tcp_wmem's maximum (4 MiB by default), so a whole reply of a client
+    # that reads nothing would wait there, unseen by the stall timeout and never stopped in its
+    # engine. 128 KiB in flight still carries a token stream at far more than engines make it.
+    send_buffer_bytes: int = 64 << 10
 
 
 LIMIT_REASONS = ("header_timeout", "body_timeout", "max_connections",

@@ -151,6 +151,7 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._too_large = False
+        self._unsupported: str | None = None  # a Transfer-Encoding other than chunked
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -165,6 +166,8 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                            self._server.limits.send_buffer_bytes)
         if self._server.draining:  # taken from a closing listener's queue: as any fresh one
             self.close_if_idle()
         else:
@@ -179,6 +182,9 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if self._header_bytes > MAX_HEADER_BYTES:  # raised from on_header, wrapped
                 self._reject(431, "request headers are too large")
+            elif self._unsupported is not None:  # raised from on_headers_complete, wrapped
+                self._reject(501, f"transfer coding {self._unsupported[:64]!r} is not "
+                             "supported: send the body as it is, or chunked")
             else:
                 self._reject(400, f"malformed HTTP request: {exc}")
             return
@@ -235,6 +241,12 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        coding = self._headers.get("transfer-encoding")
+        if coding is not None and coding.strip().lower() != "chunked":
+            # llhttp takes "gzip, chunked" as chunked; a body in a coding this server does not
+            # decode would reach the handler as it came (RFC 9112 6.1: answer 501)
+            self._unsupported = coding
+            raise ValueError("unsupported transfer coding")
         self._arm(self._server.limits.body_timeout_s, "body")  # done with the message if none
         declared = self._headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._server.max_body_bytes:
@@ -316,8 +328,9 @@ class _Connection(asyncio.Protocol):
         self._disarm_idle()  # no deadline of a closed connection trips
 
     def _reject(self, status: int, message: str) -> None:
-        body = (b'{"error": {"message": "%s", "type": "BadRequestError", "param": null, '
-                b'"code": %d}}' % (message.replace('"', "'").encode(), status))
+        kind = b"NotImplementedError" if status == 501 else b"BadRequestError"
+        body = (b'{"error": {"message": "%s", "type": "%s", "param": null, "code": %d}}'
+                % (message.replace('"', "'").encode(), kind, status))
         self.write(_head(status, {}, b"content-type: application/json\r\ncontent-length: %d\r\n"
                          b"connection: close\r\n" % len(body)) + body)
         self.close()
