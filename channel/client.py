@@ -27,7 +27,7 @@ class ReplyStream:
     ReplyFailed. Bytes go to the sink once one is attached, and are kept until then. `ids` are
     the generated tokens of the bytes received so far (requests that track their tokens)."""
 
-    __slots__ = ("id", "_link", "head", "end", "_sink", "_kept", "ids")
+    __slots__ = ("id", "_link", "head", "end", "_sink", "_kept", "ids", "_paused")
 
     def __init__(self, stream_id: int, link: ReplicaLink, loop: asyncio.AbstractEventLoop) -> None:
         self.id, self._link = stream_id, link
@@ -36,6 +36,7 @@ class ReplyStream:
         self._sink: Sink | None = None
         self._kept: list[tuple[bytes, bool]] = []
         self.ids: list[int] = []
+        self._paused = False
 
     @property
     def replica(self) -> str:
@@ -51,6 +52,13 @@ class ReplyStream:
     def body(self) -> bytes:
         """The bytes received so far, when no sink is attached (a whole reply, after `end`)."""
         return b"".join(chunk for chunk, _ in self._kept)
+
+    def pause(self, paused: bool) -> None:
+        """Ask the replica to hold the reply (True) while its client reads nothing, or to go on
+        (False) once it reads again (channel.flow). No-op once it ended."""
+        if paused != self._paused and not self.end.done():
+            self._paused = paused
+            self._link.pause(self, paused)
 
     def cancel(self) -> None:
         """Stop the request on the replica (no-op once it ended)."""
@@ -140,6 +148,10 @@ class ReplicaLink(asyncio.Protocol):
     def cancel(self, stream: ReplyStream) -> None:
         if self._streams.pop(stream.id, None) is not None:
             self._send(Kind.CANCEL, stream.id)
+
+    def pause(self, stream: ReplyStream, paused: bool) -> None:
+        if stream.id in self._streams:
+            self._send(Kind.PAUSE if paused else Kind.RESUME, stream.id)
 
     def send_held(self, count: int) -> None:
         if self.state in ("ready", "draining"):

@@ -24,7 +24,9 @@ replica sends exactly one of:
     REFUSED                            not taken (draining, full): the gateway tries elsewhere
     HEAD (DATA | TOKEN | TOKENS)* (END | FAILED)
 
-DATA and TOKEN payloads are the reply's bytes exactly as the client gets them (a JSON body, or
+While its client reads nothing, the gateway sends PAUSE for a stream, and RESUME when it reads
+again: the replica holds the reply meanwhile (channel.flow). DATA and TOKEN payloads are the
+reply's bytes exactly as the client gets them (a JSON body, or
 whole server-sent events); TOKEN marks bytes that carry generated tokens, so the gateway can time
 first tokens and gaps without parsing them. A request that asked to `track_tokens` gets TOKENS
 instead of TOKEN: the same bytes together with the ids of the tokens they carry, so that the
@@ -71,6 +73,8 @@ class Kind(IntEnum):
     CHALLENGE = 13  # replica -> gateway, stream 0: Challenge; the replica's first frame
     OPEN = 14  # gateway -> replica, stream 0: Open; the gateway's first frame
     ADAPTERS = 15  # replica -> gateway, stream 0: Adapters; whenever they change
+    PAUSE = 16  # gateway -> replica: hold the reply, its client is not reading (channel.flow)
+    RESUME = 17  # gateway -> replica: go on with the reply, its client reads again
 
 
 class Open(msgspec.Struct, array_like=True, frozen=True):

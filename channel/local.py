@@ -16,6 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from channel.client import ReplyStream
+from channel.flow import Pausable
 from channel.frames import Adapters, Head, Refused, Request, Usage
 from tokenfab.errors import LinkLost, ReplyFailed
 
@@ -25,13 +26,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LocalReply:
+class LocalReply(Pausable):
     """The handler's side of one local request: what `channel.server.Reply` writes as frames,
-    delivered to the gateway's `ReplyStream` at once."""
+    delivered to the gateway's `ReplyStream` at once (paused by a call, as PAUSE would)."""
 
     __slots__ = ("_link", "_stream", "done")
 
     def __init__(self, link: LocalLink, stream: ReplyStream) -> None:
+        super().__init__()
         self._link, self._stream, self.done = link, stream, False
 
     def head(self, status: int, streaming: bool, replica_id: str) -> None:
@@ -74,6 +76,7 @@ class LocalLink:
         self.held = 0  # requests the gateway of this process holds for the pool
         self._streams: dict[int, ReplyStream] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._replies: dict[int, LocalReply] = {}
         self._ids = itertools.count(1)
         self.on_state: Callable[[LocalLink], None] | None = None
         self.adapters: Adapters | None = None  # as the replica last said (None: it has not)
@@ -96,7 +99,7 @@ class LocalLink:
             stream.head.set_result(Refused(refusal))
             return stream
         self._streams[stream.id] = stream
-        reply = LocalReply(self, stream)
+        reply = self._replies[stream.id] = LocalReply(self, stream)
         task = loop.create_task(self._handler.serve(request, reply))
         self._tasks[stream.id] = task
         task.add_done_callback(partial(self._finished, stream, reply))
@@ -107,6 +110,11 @@ class LocalLink:
             task = self._tasks.get(stream.id)
             if task is not None:
                 task.cancel()
+
+    def pause(self, stream: ReplyStream, paused: bool) -> None:
+        reply = self._replies.get(stream.id)
+        if reply is not None:
+            reply.pause(paused)
 
     def send_held(self, count: int) -> None:
         self.held = count
@@ -138,6 +146,7 @@ class LocalLink:
         """As `channel.server._Connection._finished`: the slot is freed exactly once, and a
         handler that ended without an end becomes a failed reply."""
         self._tasks.pop(stream.id, None)
+        self._replies.pop(stream.id, None)
         self._handler.release()
         if task.cancelled():  # by `cancel` or `stop` (the stream is gone), or from elsewhere
             if self._streams.pop(stream.id, None) is not None:

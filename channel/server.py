@@ -20,6 +20,7 @@ from typing import Protocol
 from channel import frames, seal
 from channel.frames import (Adapters, Challenge, Failed, Head, Kind, Refused, Request, State,
                             Tokens, Usage)
+from channel.flow import Pausable
 from channel.local import LocalLink
 
 logger = logging.getLogger(__name__)
@@ -27,12 +28,14 @@ logger = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0  # a peer that has not said a valid HELLO by then is dropped
 
 
-class Reply:
-    """Writes one request's reply, in the order frames.py gives; the replica's handler owns it."""
+class Reply(Pausable):
+    """Writes one request's reply, in the order frames.py gives; the replica's handler owns it
+    (and waits in `resumed` while the gateway has it paused)."""
 
     __slots__ = ("_connection", "_stream", "done")
 
     def __init__(self, connection: _Connection, stream: int) -> None:
+        super().__init__()
         self._connection, self._stream, self.done = connection, stream, False
 
     def head(self, status: int, streaming: bool, replica_id: str) -> None:
@@ -70,6 +73,11 @@ class ReplySink(Protocol):
 
     def failed(self, message: str) -> None: ...
 
+    @property
+    def paused(self) -> bool: ...  # the gateway's client reads nothing: wait in `resumed`
+
+    async def resumed(self) -> None: ...
+
 
 class Handler(Protocol):
     """What serves requests arriving on the channel. All three run on the server's loop.
@@ -97,6 +105,7 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._writer = frames.FrameWriter()
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._replies: dict[int, Reply] = {}
         self.gateway: str | None = None  # set by a valid HELLO
         self.held = 0
         self._nonce = secrets.token_bytes(frames.NONCE_BYTES)  # this connection's challenge
@@ -154,6 +163,10 @@ class _Connection(asyncio.Protocol):
                 task.cancel()
         elif kind == Kind.HELD:
             self.held = frames.decode(Kind.HELD, payload).count
+        elif kind == Kind.PAUSE or kind == Kind.RESUME:
+            reply = self._replies.get(stream)
+            if reply is not None:  # else it ended: the gateway's word crossed its END
+                reply.pause(kind == Kind.PAUSE)
         else:
             raise frames.ProtocolError(f"unexpected frame kind {kind}")
 
@@ -163,13 +176,14 @@ class _Connection(asyncio.Protocol):
         if refusal is not None:
             self.send(Kind.REFUSED, stream, frames.encode(Refused(refusal)))
             return
-        reply = Reply(self, stream)
+        reply = self._replies[stream] = Reply(self, stream)
         task = asyncio.get_running_loop().create_task(handler.serve(request, reply))
         self._tasks[stream] = task
         task.add_done_callback(partial(self._finished, stream, reply))
 
     def _finished(self, stream: int, reply: Reply, task: asyncio.Task[None]) -> None:
         self._tasks.pop(stream, None)
+        self._replies.pop(stream, None)
         self._server.handler.release()
         if task.cancelled() or reply.done:
             return

@@ -221,6 +221,8 @@ class PoolReplica:
                         reply.tokens(chunk, trace.take())
                     elif chunk:
                         reply.data(chunk, token)
+                    if reply.paused:  # its client reads nothing: the engine's outputs wait
+                        await reply.resumed()
                 else:
                     meter.usage = usage_of(item)  # zeros for an error body
                     reply.data(item)

@@ -116,6 +116,11 @@ class Responder:
         if self._chunked:
             self._connection.write(b"0\r\n\r\n")
 
+    def watch(self, flow: Callable[[bool], None] | None) -> None:
+        """While streaming: `flow(True)` when the client stops reading (its connection holds
+        more than the write buffer's mark), `flow(False)` when it reads again; None stops it."""
+        self._connection.watch(flow)
+
     @property
     def keep_alive(self) -> bool:
         return self._keep_alive
@@ -135,6 +140,7 @@ class _Connection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None  # armed while the client reads nothing
+        self._flow: Callable[[bool], None] | None = None  # told when it stops and starts reading
         self._overdue: str | None = None  # a request timed out behind an answer being written
         self._paused = False
         self.closed = False
@@ -207,11 +213,22 @@ class _Connection(asyncio.Protocol):
         request's handler: its engine stops generating; what was sent is charged)."""
         self._stall = asyncio.get_running_loop().call_later(
             self._server.limits.stalled_client_timeout_s, self._stalled)
+        if self._flow is not None:
+            self._flow(True)
 
     def resume_writing(self) -> None:
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
+            if self._flow is not None:
+                self._flow(False)
+
+    def watch(self, flow: Callable[[bool], None] | None) -> None:
+        """Tell `flow` (True: paused) whenever the client stops or starts reading, from now (at
+        once if it reads nothing now) until it is replaced or None."""
+        self._flow = flow
+        if flow is not None and self._stall is not None:
+            flow(True)
 
     def _stalled(self) -> None:
         self._stall = None

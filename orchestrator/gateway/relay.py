@@ -72,7 +72,11 @@ async def relay(call: Call, stream: ReplyStream, head: Head, clock: TokenClock) 
 
     clock.touch()
     stream.attach(sink)
-    usage = await _end(stream, call.timeout_s, clock)
+    responder.watch(stream.pause)  # the replica holds the reply while the client reads nothing
+    try:
+        usage = await _end(stream, call.timeout_s, clock)
+    finally:
+        responder.watch(None)
     if not responder.started:
         responder.start_stream(head.status, headers)
     responder.end_stream()

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from vllm import SamplingParams
 
+from channel.flow import Pausable
 from channel.frames import Request, Usage
 from orchestrator.gateway.migration import continuation_body, not_resumable
 from pools.engine import ReplyHead, TokenTrace
@@ -257,10 +258,11 @@ def test_only_a_resumed_request_gets_its_detokenizer_continued(tokenizer) -> Non
     assert sent + resumed == new  # primed again: goes on from what the client has
 
 
-class _Recorder:
+class _Recorder(Pausable):
     """A channel reply that keeps what the replica sent."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.sent: list[tuple[str, bytes, list[int] | None]] = []
 
     def head(self, status: int, streaming: bool, replica_id: str) -> None:
