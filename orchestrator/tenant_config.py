@@ -74,10 +74,15 @@ class AuthSpec(_Strict):
 class AdmissionSpec(_Strict):
     """Admission into the pools: beyond `max_in_flight`, requests wait in a fair queue."""
 
-    max_in_flight: int | None = Field(
-        None, ge=1, description="Requests one ingress replica lets into the pools at once; more "
-        "wait, and tenants are served by weight on tokens (virtual token counters), higher "
-        "priority classes first. null: no queue.")
+    max_in_flight: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto", description="Requests one ingress replica lets into the pools at once; "
+        "more wait, and tenants are served by weight on tokens (virtual token counters), higher "
+        "priority classes first. auto: what the pools take at their largest (each model's "
+        "unified and prefill pools' replicas times max_ongoing_requests, no more than its "
+        "decode pools'), shared among the ingress replicas; a request beyond it waits at most "
+        "queue_timeout_s instead of request_timeout_s, and tenants are weighed by their "
+        "requests' output estimates (an int also counts their prompts' tokens). null: no queue: "
+        "requests wait for a replica as long as request_timeout_s.")
     max_queued_per_tenant: int = Field(
         64, ge=0, description="Waiting requests per tenant; beyond, 429.")
     queue_timeout_s: float = Field(

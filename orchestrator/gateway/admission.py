@@ -20,6 +20,7 @@ from orchestrator.gateway.limits import Charge, TenantLimiter
 from orchestrator.gateway.metrics import REJECTION_REASONS, UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.gateway.tenancy import Tenants
 from orchestrator.config import Topology
+from orchestrator.pool_config import PoolSpec
 from orchestrator.tenant_config import TenantSpec
 
 DEFAULT_OUTPUT_ESTIMATE = 256  # tokens charged up front when a request sets no max_tokens
@@ -67,6 +68,32 @@ def cost_tokens(prompt_lengths: list[int], output: int | None, choices: int,
     return sum(prompt_lengths) + choices * (sum(outputs) if prompt_lengths else per_output)
 
 
+def pool_capacity(topology: Topology) -> int:
+    """Requests the pools take at once at their largest (admission.max_in_flight: auto): per
+    served model, its unified and prefill pools' replicas (max_replicas where autoscaled) times
+    their max_ongoing_requests, the prefill pools' share no more than its decode pools' (a P/D
+    request holds a place in both); summed over the models.
+
+    Example: a unified pool of 2 replicas taking 64 each, and a model with prefill 1 x 64 and
+    decode 4 x 8 (max_replicas 4) -> 128 + min(64, 32) = 160."""
+    def largest(pool: PoolSpec) -> int:
+        return pool.max_replicas if topology.autoscaled(pool) and pool.max_replicas \
+            else pool.replicas
+
+    total = 0
+    for model in topology.served:
+        takes = {role: sum(largest(p) * p.max_ongoing_requests
+                           for p in topology.pools_of(model.name) if p.role == role)
+                 for role in ("unified", "prefill", "decode")}
+        total += takes["unified"] + min(takes["prefill"], takes["decode"] or takes["prefill"])
+    return total
+
+
+def _share(capacity: int, ingresses: int) -> int:
+    """One ingress replica's part of `capacity` (at least 1)."""
+    return max(1, -(-capacity // max(1, ingresses)))
+
+
 class Admission:
     """One per ingress replica; runs on its event loop. The caller counts the prompt's tokens
     (off the loop) when `needs_tokens` says the tenants' limits read them."""
@@ -82,8 +109,13 @@ class Admission:
         self._limiters = {name: TenantLimiter(tenants.spec(name).limits, share, now)
                           for name in tenants.names}
         spec = topology.admission
-        self.queue = FairQueue(spec.max_in_flight, spec.max_queued_per_tenant, spec.queue_timeout_s)
-        self.needs_tokens = spec.max_in_flight is not None or any(
+        # "auto": the pools' capacity, shared among the ingress replicas as their count changes
+        self._capacity = pool_capacity(topology) if spec.max_in_flight == "auto" else None
+        in_flight = spec.max_in_flight if isinstance(spec.max_in_flight, int) else None
+        if self._capacity is not None:
+            in_flight = _share(self._capacity, topology.ingress_replicas())
+        self.queue = FairQueue(in_flight, spec.max_queued_per_tenant, spec.queue_timeout_s)
+        self.needs_tokens = isinstance(spec.max_in_flight, int) or any(
             t.limits.tokens_per_minute or t.limits.max_prompt_tokens for t in topology.tenants)
 
     def authenticate(self, authorization: str | None) -> TenantSpec:
@@ -110,6 +142,8 @@ class Admission:
         for limiter in self._limiters.values():
             if limiter.share != share:
                 limiter.rescale(share, now)
+        if self._capacity is not None:
+            self.queue.set_capacity(_share(self._capacity, count))
 
     async def admit(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any],
                     prompts: list[list[int]] | None) -> Ticket:

@@ -100,6 +100,13 @@ class FairQueue:
         self._running[tenant] -= 1
         self._dispatch()
 
+    def set_capacity(self, capacity: int) -> None:
+        """A new bound (a bounded queue's: the ingress replicas' share changed); more waiting
+        requests start at once if it grew."""
+        assert self.capacity is not None, "an unbounded queue stays unbounded"
+        self.capacity = capacity
+        self._dispatch()
+
     def _start(self, tenant: str, cost: float, weight: float) -> None:
         if self.capacity is None:
             return
@@ -120,7 +127,7 @@ class FairQueue:
 
     def _dispatch(self) -> None:
         capacity = self.capacity
-        assert capacity is not None  # release, its one caller, returns first when unbounded
+        assert capacity is not None  # its callers return first when unbounded
         while self.in_flight < capacity and self._any_waiting():
             heads = [q[0] for q in self._waiting.values() if q]
             best = min(heads, key=lambda w: (w.priority, self.counters.get(w.tenant, 0.0),

@@ -336,3 +336,44 @@ def test_requests_per_minute_below_the_ingress_replicas_is_refused() -> None:
         topology(auth={"enabled": True}, tenants=[doc], gateway={"replicas": 2})
     topology(auth={"enabled": True}, tenants=[doc | {"limits": {"requests_per_minute": 2}}],
              gateway={"replicas": 2})
+
+
+def test_the_default_bound_is_what_the_pools_take_at_their_largest() -> None:
+    from orchestrator.gateway.admission import pool_capacity
+
+    unified = topology()  # one unified pool
+    pool = unified.pools[0]
+    assert unified.admission.max_in_flight == "auto"
+    assert pool_capacity(unified) == pool.replicas * pool.max_ongoing_requests
+    assert pool_capacity(topology(admission={"max_in_flight": None})) == \
+        pool.replicas * pool.max_ongoing_requests  # the same pools, whatever the setting
+    resources = {"kv_cache_bytes": "64MiB"}
+    pd = topology(pools=[
+        {"name": "p", "role": "prefill", "replicas": 1, "max_ongoing_requests": 64,
+         "resources": resources},
+        {"name": "d", "role": "decode", "replicas": 2, "min_replicas": 1, "max_replicas": 4,
+         "max_ongoing_requests": 8, "resources": resources}], autoscaler={"enabled": True})
+    assert pool_capacity(pd) == min(64, 4 * 8)  # decode at its largest bounds a P/D request
+    admission = Admission(unified, GatewayMetrics(CollectorRegistry(), ["default"]),
+                          Tenants(unified))
+    assert admission.queue.capacity == pool_capacity(unified) and not admission.needs_tokens
+    admission.set_ingresses(2)  # two ingress replicas: each takes half (rounded up)
+    assert admission.queue.capacity == -(-pool_capacity(unified) // 2)
+    bare = Admission(topology(admission={"max_in_flight": None}),
+                     GatewayMetrics(CollectorRegistry(), ["default"]), Tenants(unified))
+    assert bare.queue.capacity is None
+
+
+def test_a_waiting_request_starts_when_the_bound_grows() -> None:
+    from orchestrator.gateway.fair_queue import FairQueue
+
+    async def scenario() -> None:
+        queue = FairQueue(1, 8, 5.0)
+        await queue.acquire("a", 10)
+        waiting = asyncio.ensure_future(queue.acquire("b", 10))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        queue.set_capacity(2)
+        assert await asyncio.wait_for(waiting, 1) >= 0 and queue.in_flight == 2
+
+    asyncio.run(scenario())
