@@ -289,6 +289,18 @@ def meets_target(record: dict[str, Any], static: dict[str, Any]) -> bool:
             and record["replica_seconds"] <= 0.7 * static["replica_seconds"])
 
 
+def window_table(records: list[dict[str, Any]]) -> list[str]:
+    """The page's table of each setup's SLO attainment per window (this page's and
+    sim_pd_autoscaling's)."""
+    names = list(records[0]["slo_attainment_by_window"])
+    lines = ["", "SLO attainment of the requests arriving in each window:", "",
+             "| setup | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for r in records:
+        lines.append(f"| {r['setup']} | " + " | ".join(
+            f"{r['slo_attainment_by_window'][n]:.3f}" for n in names) + " |")
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     args = argparse.Namespace(**result["args"])
     lines = [
@@ -321,12 +333,7 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{static['slo_attainment']:.3f} at {r['replica_seconds'] / base:.2f}x: "
                   + ("met" if meets_target(r, static) else "not met")
                   for r in result["records"] if r["setup"] not in ("static_max", "static_min")]
-    names = list(result["records"][0]["slo_attainment_by_window"])
-    lines += ["", "SLO attainment of the requests arriving in each window:", "",
-              "| setup | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for r in result["records"]:
-        lines.append(f"| {r['setup']} | " + " | ".join(
-            f"{r['slo_attainment_by_window'][n]:.3f}" for n in names) + " |")
+    lines += window_table(result["records"])
     cap = result["capacity"]
     lines += ["", f"Capacity profiled first (sim.profile, 8 replicas, 240 s per rate, "
               f"{result['profile_wall_s']:.0f} s of wall time): **{cap['rate_per_replica']:g} "

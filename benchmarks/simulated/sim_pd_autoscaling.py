@@ -48,7 +48,8 @@ from autoscaler.serve_policy import PoolPolicy
 from benchmarks.autoscaling import arrivals
 from benchmarks.common.results import write
 from benchmarks.simulated.sim_autoscaling import (add_arguments, mark_phases, meets_target,
-                                                  outcome, prepare, requests, windows)
+                                                  outcome, prepare, requests, window_table,
+                                                  windows)
 from sim import params as profiles
 from sim.autoscale import SimAutoscaler
 from sim.cluster import SimCluster
@@ -265,12 +266,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{r['ttft_p90_s']:.2f} | {r['itl_p90_s'] * 1e3:.1f} / "
                      f"{r['itl_p99_s'] * 1e3:.1f} | {most} | {r['scale_changes']} |")
     lines += targets(result["records"])
-    names = list(result["records"][0]["slo_attainment_by_window"])
-    lines += ["", "SLO attainment of the requests arriving in each window:", "",
-              "| setup | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for r in result["records"]:
-        lines.append(f"| {r['setup']} | " + " | ".join(
-            f"{r['slo_attainment_by_window'][n]:.3f}" for n in names) + " |")
+    lines += window_table(result["records"])
     for pd in (r for r in result["records"] if r["setup"] in (*PLANNED, "pd_reactive")):
         lines += ["", f"{pd['setup']}'s pools, replicas held at the end of each window "
                   "(prefill:decode):", ""]
