@@ -99,7 +99,8 @@ from benchmarks.common import results
 from benchmarks.common.results import RESULTS, TRACE
 from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_by_root,
                                       single_token_words, upper_bound_hit_rate, without_reuse)
-from benchmarks.h2h_figures import pct, record, ttft_p90, with_goodput
+from benchmarks.h2h_figures import record, ttft_p90, with_goodput
+from tokenfab.stats import percentile_or_none
 from benchmarks.h2h_report import markdown, plot, ratios
 from orchestrator import cluster
 from orchestrator.config import Topology
@@ -288,8 +289,8 @@ class Bench:
         prompt = sum(u.get("prompt_tokens", 0) for u in usages)
         cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                      for u in usages)
-        return {"ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
-                "ttft_p99_s": pct(ttft, 99), "hit_rate": cached / prompt if prompt else 0.0,
+        return {"ttft_p50_s": percentile_or_none(ttft, 50), "ttft_p90_s": percentile_or_none(ttft, 90),
+                "ttft_p99_s": percentile_or_none(ttft, 99), "hit_rate": cached / prompt if prompt else 0.0,
                 "passes": FLOOR_PASSES, "kv_cache_bytes": big, "ttft_s": ttft}
 
     def baselines(self, setups: list[tuple[str, str]], kv_bytes: int, logs: Path) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 from benchmarks.common import process_cpu
 from benchmarks.common.client import MAX_TOKENS
 from benchmarks.common.intervals import aggregate, goodput
-from tokenfab.stats import percentile
+from tokenfab.stats import percentile_or_none
 
 BURST_S = 0.005  # tokens, or first tokens, this close together arrived in one instant
 
@@ -31,14 +31,10 @@ def token_times(chunks: list[tuple[float, int | None]], mode: str) -> list[float
     return [at for at, _ in chunks]
 
 
-def pct(values: list[float], q: float) -> float | None:
-    return percentile(values, q) if values else None
-
-
 def ttft_p90(run: dict[str, Any]) -> tuple[float | None, int]:
     """A replay's TTFT p90 over the requests that streamed a token, and how many did not."""
     firsts = [r["chunks"][0][0] for r in run["results"] if r["status"] == 200 and r["chunks"]]
-    return pct(firsts, 90), len(run["results"]) - len(firsts)
+    return percentile_or_none(firsts, 90), len(run["results"]) - len(firsts)
 
 
 def stall_clusters(firsts: list[float]) -> int:
@@ -72,9 +68,9 @@ def summarize(run: dict[str, Any], mode: str) -> dict[str, Any]:
     bursts = [r["sent"] + t[0] for r, t in ok if len(t) > 1 and t[-1] - t[0] <= BURST_S]
     cpu = process_cpu.summary(run, output)
     return {
-        "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
-        "e2e_p50_s": pct(e2e, 50), "e2e_p90_s": pct(e2e, 90),
-        "itl_p50_s": pct(gaps, 50), "itl_p90_s": pct(gaps, 90), "itl_p99_s": pct(gaps, 99),
+        "ttft_p50_s": percentile_or_none(ttft, 50), "ttft_p90_s": percentile_or_none(ttft, 90), "ttft_p99_s": percentile_or_none(ttft, 99),
+        "e2e_p50_s": percentile_or_none(e2e, 50), "e2e_p90_s": percentile_or_none(e2e, 90),
+        "itl_p50_s": percentile_or_none(gaps, 50), "itl_p90_s": percentile_or_none(gaps, 90), "itl_p99_s": percentile_or_none(gaps, 99),
         "output_tok_s": output / wall, "hit_rate": cached / prompt if prompt else 0.0,
         "dataplane_cpu_ms_per_token": cpu.pop("dataplane_cpu_ms_per_token"),
         "background_cpu_pct": cpu["cpu_pct_of_core"]["background"],

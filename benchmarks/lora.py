@@ -77,7 +77,7 @@ from orchestrator.config import Topology
 from orchestrator.pool_config import parse_bytes
 from pools.tiny_lora import adapter_name, ensure_tiny_adapter
 from pools.tiny_model import ensure_tiny_model
-from tokenfab.stats import percentile
+from tokenfab.stats import percentile_or_none
 
 MODEL = tiny_model_dir()
 ENGINE_PORTS, ROUTER_PORT, PROMETHEUS_PORT, GATEWAY_PORT = (8171, 8172), 8181, 8191, 8033
@@ -189,10 +189,6 @@ def tokenfab_loads(url: str) -> int:
 
 # --- One replay's record ----------------------------------------------------------------------
 
-def _pct(values: list[float], q: float) -> float | None:
-    return percentile(values, q) if values else None
-
-
 def summarize(results: list[dict[str, Any]], loads: int) -> dict[str, Any]:
     ok = [r for r in results if r["status"] == 200 and r["chunks"]]
     usages = [r["usage"] for r in ok]
@@ -201,8 +197,8 @@ def summarize(results: list[dict[str, Any]], loads: int) -> dict[str, Any]:
     output = sum(u.get("completion_tokens", 0) for u in usages)
     ttft = [r["chunks"][0][0] for r in ok]
     wall = max(r["done"] for r in results) - min(r["sent"] for r in results)
-    return {"ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
-            "ttft_p99_s": _pct(ttft, 99), "output_tok_s": output / wall,
+    return {"ttft_p50_s": percentile_or_none(ttft, 50), "ttft_p90_s": percentile_or_none(ttft, 90),
+            "ttft_p99_s": percentile_or_none(ttft, 99), "output_tok_s": output / wall,
             "adapter_loads_per_100": 100 * loads / len(results),
             "hit_rate": cached / prompt if prompt else 0.0, "requests": len(results),
             "failed": len(results) - len(ok),

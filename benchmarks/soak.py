@@ -44,9 +44,12 @@ import psutil
 from benchmarks.common.cluster import local_head, tiny_topology
 from benchmarks.common.results import RESULTS, command, write
 from benchmarks.common.streams import Stream, divergence, greedy, stream
+from tokenfab.stats import percentile_or_none
 
 MODEL = "tiny"
-PROCESSES = ("gateway", "replicas", "engines")
+PROCESSES = ("gateway", "replicas", "engines", "ray")
+WARMUP_S = 120.0  # a process's first seconds, left out of its slope (imports, caches, first requests)
+MIN_SPAN_S = 300.0  # a slope needs this long after the warm-up
 
 
 # --- The workload -----------------------------------------------------------------------------
@@ -109,7 +112,7 @@ async def capacity(client: httpx.AsyncClient, requests: list[tuple[str, dict[str
 
 # --- The stack's processes --------------------------------------------------------------------
 
-def _role(process: psutil.Process, app: str) -> str | None:
+def _role(process: psutil.Process, app: str, gcs_port: int | None) -> str | None:
     try:
         title = " ".join(process.cmdline()) or process.name()
     except psutil.Error:
@@ -120,20 +123,23 @@ def _role(process: psutil.Process, app: str) -> str | None:
         return "gateway"
     if title.startswith(f"ray::ServeReplica:{app}:pool-"):
         return "replicas"
+    if gcs_port is not None and (title.startswith(("ray::ServeController", "ray::ProxyActor"))
+                                 or ("ray" in title and str(gcs_port) in title)):
+        return "ray"  # the cluster's daemons: GCS, raylet, dashboard and agents, Serve's own
     return None
 
 
-def rss_mb(app: str) -> dict[str, float]:
-    """Resident memory of the gateway, the pool replicas and the engines, MB (summed)."""
-    totals = dict.fromkeys(PROCESSES, 0.0)
+def rss_by_process(app: str, gcs_port: int | None) -> dict[int, tuple[str, str, float]]:
+    """Each of the stack's processes: pid -> (role, name, resident memory in MB)."""
+    out = {}
     for process in psutil.process_iter():
-        role = _role(process, app)
+        role = _role(process, app, gcs_port)
         if role is not None:
             try:
-                totals[role] += process.memory_info().rss / 2**20
+                out[process.pid] = (role, process.name(), process.memory_info().rss / 2**20)
             except psutil.Error:
                 pass
-    return totals
+    return out
 
 
 async def replicas(client: httpx.AsyncClient) -> list[dict[str, Any]]:
@@ -168,11 +174,29 @@ def kill_engine(replica_pid: int) -> None:
 
 # --- The soak ---------------------------------------------------------------------------------
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def per_process(rss: list[tuple[float, dict[int, tuple[str, str, float]]]]
+                ) -> list[dict[str, Any]]:
+    """Each process's resident memory over its life: first and last sample, and its slope after
+    WARMUP_S (None where it lived less than MIN_SPAN_S after that: a replica a kill replaced).
+
+    Example: a process sampled at 0, 60, ..., 600 s growing 1 MB a minute -> slope +10.0."""
+    lives: dict[int, list[tuple[float, float]]] = {}
+    names: dict[int, tuple[str, str]] = {}
+    for at, processes in rss:
+        for pid, (role, name, mb) in processes.items():
+            lives.setdefault(pid, []).append((at, mb))
+            names[pid] = (role, name)
+    out = []
+    for pid, samples in lives.items():
+        settled = [(t, mb) for t, mb in samples if t >= samples[0][0] + WARMUP_S]
+        long_enough = settled and settled[-1][0] - settled[0][0] >= MIN_SPAN_S
+        slope = _slope_per_10min(settled) if long_enough else None
+        out.append({"pid": pid, "role": names[pid][0], "name": names[pid][1],
+                    "from_s": round(samples[0][0], 1), "to_s": round(samples[-1][0], 1),
+                    "first_mb": round(samples[0][1], 1), "last_mb": round(samples[-1][1], 1),
+                    "slope_mb_per_10min": None if slope is None else round(slope, 2),
+                    "samples": [[round(t, 1), round(mb, 1)] for t, mb in samples]})
+    return sorted(out, key=lambda p: (PROCESSES.index(p["role"]), p["from_s"], p["pid"]))
 
 
 def _slope_per_10min(samples: list[tuple[float, float]]) -> float | None:
@@ -187,8 +211,10 @@ def _slope_per_10min(samples: list[tuple[float, float]]) -> float | None:
 
 async def soak(root: str, app: str, *, seconds: float, kill_every_s: float, load: float = 0.8,
                rss_every_s: float = 10.0, distinct: int = 48, capacity_s: float = 30.0,
-               replicas_expected: int = 2, seed: int = 0) -> dict[str, Any]:
-    """Run the soak against the deployment at `root` (its app named `app`); the summary."""
+               replicas_expected: int = 2, seed: int = 0, gcs_port: int | None = None
+               ) -> dict[str, Any]:
+    """Run the soak against the deployment at `root` (its app named `app`); the summary. Ray's
+    daemons are counted where `gcs_port` names the cluster's."""
     requests = workload(distinct, seed)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=root, timeout=600, trust_env=False,
@@ -198,7 +224,7 @@ async def soak(root: str, app: str, *, seconds: float, kill_every_s: float, load
         rng = random.Random(seed)
         start = time.monotonic()
         kills: list[dict[str, Any]] = []
-        rss: list[tuple[float, dict[str, float]]] = []
+        rss: list[tuple[float, dict[int, tuple[str, str, float]]]] = []
 
         async def killer() -> None:
             for at in [kill_every_s * k for k in range(1, int(seconds // kill_every_s) + 1)]:
@@ -212,7 +238,8 @@ async def soak(root: str, app: str, *, seconds: float, kill_every_s: float, load
 
         async def sampler() -> None:
             while time.monotonic() - start < seconds:
-                rss.append((time.monotonic() - start, await asyncio.to_thread(rss_mb, app)))
+                rss.append((time.monotonic() - start,
+                            await asyncio.to_thread(rss_by_process, app, gcs_port)))
                 await asyncio.sleep(rss_every_s)
 
         async def one(index: int, at: float) -> tuple[int, Stream]:
@@ -231,7 +258,8 @@ async def soak(root: str, app: str, *, seconds: float, kill_every_s: float, load
 
 
 def summarize(results: list[tuple[int, Stream]], expected: list[Stream], start: float,
-              kills: list[dict[str, Any]], rss: list[tuple[float, dict[str, float]]],
+              kills: list[dict[str, Any]],
+              rss: list[tuple[float, dict[int, tuple[str, str, float]]]],
               seconds: float, window_s: float, rate: float, load: float) -> dict[str, Any]:
     failed = [s for _, s in results if not s.ok]
     mismatched = [(i, s, why) for i, s in results
@@ -243,16 +271,19 @@ def summarize(results: list[tuple[int, Stream]], expected: list[Stream], start: 
         ttft = [s.first_token - s.sent for s in inside if s.first_token is not None]
         e2e = [s.finished - s.sent for s in inside]
         windows.append({"from_s": w * window_s, "requests": len(inside),
-                        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-                        "e2e_p50_s": _pct(e2e, 0.5), "e2e_p99_s": _pct(e2e, 0.99)})
+                        "ttft_p50_s": percentile_or_none(ttft, 50),
+                        "ttft_p99_s": percentile_or_none(ttft, 99),
+                        "e2e_p50_s": percentile_or_none(e2e, 50),
+                        "e2e_p99_s": percentile_or_none(e2e, 99)})
     return {
         "sent": len(results), "completed": len(results) - len(failed), "failed": len(failed),
         "mismatched": len(mismatched), "split_chunk_ids": len(split), "kills": len(kills),
         "kill_log": kills, "rate_rps": round(rate, 3), "load": load, "seconds": seconds,
         "windows": windows,
-        "rss_mb": [{"at_s": round(t, 1), **{k: round(v, 1) for k, v in m.items()}} for t, m in rss],
-        "rss_slope_mb_per_10min": {p: _slope_per_10min([(t, m[p]) for t, m in rss])
-                                   for p in PROCESSES},
+        "rss_mb": [{"at_s": round(t, 1), **{role: round(sum(mb for r, _, mb in m.values()
+                                                          if r == role), 1)
+                                             for role in PROCESSES}} for t, m in rss],
+        "rss_processes": per_process(rss),
         "failures": [{"at_s": round(s.sent - start, 1), "took_s": round(s.finished - s.sent, 1),
                       "status": s.status, "replica": s.replica, "error": s.errors[:1]}
                      for s in failed][:10],
@@ -281,8 +312,10 @@ def markdown(result: dict[str, Any]) -> str:
         "# Soak: engines killed under load",
         "",
         f"{r['seconds'] / 60:.0f} minutes at {r['load']:.0%} of measured capacity "
-        f"({r['rate_rps']} req/s), one engine SIGKILLed every {r['window_s']:.0f} s, "
-        f"{r['dtype']}. Written by `benchmarks/soak.py`; command: `{r['command']}`.",
+        f"({r['rate_rps']} req/s), "
+        + (f"one engine SIGKILLed every {r['window_s']:.0f} s" if r["kills"] else
+           "no engine killed") + f", {r['dtype']}. Written by `benchmarks/soak.py`; "
+        f"command: `{r['command']}`.",
         "",
         "| sent | completed | failed | mismatched | kills |",
         "|---|---|---|---|---|",
@@ -297,12 +330,17 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {w['from_s']:.0f} s | {w['requests']} | {_f(w['ttft_p50_s'], 1e3)} | "
                      f"{_f(w['ttft_p99_s'], 1e3)} | {_f(w['e2e_p50_s'], 1e3)} | "
                      f"{_f(w['e2e_p99_s'], 1e3)} |")
-    slopes = r["rss_slope_mb_per_10min"]
-    lines += ["", "Resident memory slope (MB per 10 minutes; each kill restarts one replica):", "",
-              "| " + " | ".join(PROCESSES) + " |", "|" + "---|" * len(PROCESSES),
-              "| " + " | ".join("–" if slopes[p] is None else f"{slopes[p]:+.1f}"
-                                for p in PROCESSES) + " |", ""]
-    return "\n".join(lines)
+    lines += ["", f"Resident memory per process (each kill replaces one replica and its "
+              f"engine): the slope after its first {WARMUP_S:.0f} s, where it lived "
+              f"{MIN_SPAN_S:.0f} s more; `ray` is the cluster's own daemons.", "",
+              "| role | process | sampled from - to (s) | RSS first -> last (MB) | "
+              "slope (MB per 10 min) |", "|---|---|---|---|---:|"]
+    for p in r["rss_processes"]:
+        slope = p["slope_mb_per_10min"]
+        lines.append(f"| {p['role']} | {p['name']} ({p['pid']}) | {p['from_s']:.0f} - "
+                     f"{p['to_s']:.0f} | {p['first_mb']:.0f} -> {p['last_mb']:.0f} | "
+                     + ("– (too short)" if slope is None else f"{slope:+.2f}") + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -357,7 +395,8 @@ def main() -> None:
         root = deployed(spec)
         result = asyncio.run(soak(root, spec.name, seconds=args.minutes * 60,
                                   kill_every_s=args.kill_every, load=args.load,
-                                  rss_every_s=args.rss_every))
+                                  rss_every_s=args.rss_every,
+                                  gcs_port=int(spec.cluster.address.rsplit(":", 1)[1])))
         remove(spec)
     finally:
         cluster.stop_ray(spec.cluster.dashboard_url)

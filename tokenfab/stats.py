@@ -16,3 +16,9 @@ import numpy.typing as npt
 def percentile(values: Sequence[float] | npt.NDArray[np.floating], q: float) -> float:
     """The q-th percentile (0-100) of `values`; NaN when there are none."""
     return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def percentile_or_none(values: Sequence[float] | npt.NDArray[np.floating], q: float
+                       ) -> float | None:
+    """`percentile`, or None where there are no values (results are JSON, which has no NaN)."""
+    return percentile(values, q) if len(values) else None

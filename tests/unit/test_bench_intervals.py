@@ -173,3 +173,17 @@ def test_the_streaming_client_times_each_chunk_with_a_choice():
         200, {"completion_tokens": 4}, "r1", "")
     assert refused["status"] == 400 and refused["chunks"] == []
     assert "prompt: too long" in refused["error"]
+
+
+def test_soak_memory_is_sloped_per_process_after_its_warm_up():
+    from benchmarks.soak import per_process
+
+    # a gateway sampled every 60 s for 10 min, 100 MB during its warm-up then 1 MB a minute more;
+    # a replica that a kill replaced after 4 min
+    rss = [(t, {1: ("gateway", "g", (100.0 if t < 120 else 200.0 + (t - 120) / 60)),
+                **({2: ("replicas", "r", 50.0 + t)} if t <= 240 else {})})
+           for t in range(0, 660, 60)]
+    got = {p["pid"]: p for p in per_process(rss)}
+    assert got[1]["slope_mb_per_10min"] == 10.0  # the warm-up's jump left out
+    assert got[2]["slope_mb_per_10min"] is None and got[2]["to_s"] == 240
+    assert [p["role"] for p in per_process(rss)] == ["gateway", "replicas"]
