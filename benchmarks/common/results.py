@@ -26,7 +26,7 @@ PAGES = {  # results file (no suffix) -> the module whose markdown(result) rende
     "h2h": "benchmarks.h2h_report", "h2h-noreuse": "benchmarks.h2h_report",
     "h2h-noreuse-rr": "benchmarks.h2h_report", "h2h-unprioritised": "benchmarks.h2h_report",
     "channel_seal": "benchmarks.channel_seal", "lora": "benchmarks.lora_report", "port_fidelity": "benchmarks.port_fidelity",
-    "soak": "benchmarks.soak",
+    "soak": "benchmarks.soak", "soak-steady": "benchmarks.soak",
     "resume_identity": "benchmarks.resume_identity", "router_cost": "benchmarks.router_cost",
     "sim_fidelity": "benchmarks.sim_fidelity",
     "routing_at_scale": "benchmarks.simulated.routing_at_scale",
