@@ -51,9 +51,13 @@ class Client:
 
     def __init__(self) -> None:
         self.data, self.closed = bytearray(), False
+        self.flow = None  # told when the client stops and starts reading (it always reads here)
 
     def write(self, data: bytes) -> None:
         self.data += data
+
+    def watch(self, flow) -> None:
+        self.flow = flow
 
     def response(self) -> tuple[int, dict[str, str], bytes]:
         head, _, body = bytes(self.data).partition(b"\r\n\r\n")

@@ -89,7 +89,8 @@ def test_no_cycles_between_packages() -> None:
 
 
 TOPOLOGY_SCHEMA = {"orchestrator.config", "orchestrator.tenant_config", "orchestrator.strict",
-                   "orchestrator.adapter_config", "orchestrator.gateway_config"}
+                   "orchestrator.adapter_config", "orchestrator.gateway_config",
+                   "orchestrator.pool_config"}
 
 
 def test_the_request_path_reads_only_the_schema_of_the_control_plane() -> None:
