@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from channel.frames import Usage
@@ -68,17 +69,23 @@ def cost_tokens(prompt_lengths: list[int], output: int | None, choices: int,
     return sum(prompt_lengths) + choices * (sum(outputs) if prompt_lengths else per_output)
 
 
-def pool_capacity(topology: Topology) -> int:
+def pool_capacity(topology: Topology, live: Mapping[str, int] | None = None) -> int:
     """Requests the pools take at once at their largest (admission.max_in_flight: auto): per
-    served model, its unified and prefill pools' replicas (max_replicas where autoscaled) times
-    their max_ongoing_requests, the prefill pools' share no more than its decode pools' (a P/D
-    request holds a place in both); summed over the models.
+    served model, its unified and prefill pools' replicas times their max_ongoing_requests, the
+    prefill pools' share no more than its decode pools' (a P/D request holds a place in both);
+    summed over the models. An autoscaled pool counts its max_replicas; a fixed one the replicas
+    `live` lists for it (the registry's), else its `replicas`. A running application needs
+    `live`: its deployed document carries every fixed pool at one replica, the counts travelling
+    beside it (orchestrator.deploy).
 
     Example: a unified pool of 2 replicas taking 64 each, and a model with prefill 1 x 64 and
     decode 4 x 8 (max_replicas 4) -> 128 + min(64, 32) = 160."""
+    live = live or {}
+
     def largest(pool: PoolSpec) -> int:
-        return pool.max_replicas if topology.autoscaled(pool) and pool.max_replicas \
-            else pool.replicas
+        if topology.autoscaled(pool) and pool.max_replicas:
+            return pool.max_replicas
+        return live.get(pool.name, pool.replicas)
 
     total = 0
     for model in topology.served:
@@ -109,11 +116,14 @@ class Admission:
         self._limiters = {name: TenantLimiter(tenants.spec(name).limits, share, now)
                           for name in tenants.names}
         spec = topology.admission
-        # "auto": the pools' capacity, shared among the ingress replicas as their count changes
+        # "auto": the pools' capacity, shared among the ingress replicas, both as their counts
+        # change (set_ingresses, set_replicas)
+        self._topology, self._live = topology, dict[str, int]()
+        self._ingresses = topology.ingress_replicas()
         self._capacity = pool_capacity(topology) if spec.max_in_flight == "auto" else None
         in_flight = spec.max_in_flight if isinstance(spec.max_in_flight, int) else None
         if self._capacity is not None:
-            in_flight = _share(self._capacity, topology.ingress_replicas())
+            in_flight = _share(self._capacity, self._ingresses)
         self.queue = FairQueue(in_flight, spec.max_queued_per_tenant, spec.queue_timeout_s)
         self.needs_tokens = isinstance(spec.max_in_flight, int) or any(
             t.limits.tokens_per_minute or t.limits.max_prompt_tokens for t in topology.tenants)
@@ -138,12 +148,22 @@ class Admission:
     def set_ingresses(self, count: int) -> None:
         """`count` ingress replicas share the tenants' limits now (gateway.colocate: the pool's
         replicas, as they come and go)."""
+        self._ingresses = count
         share, now = 1.0 / max(1, count), time.monotonic()
         for limiter in self._limiters.values():
             if limiter.share != share:
                 limiter.rescale(share, now)
         if self._capacity is not None:
             self.queue.set_capacity(_share(self._capacity, count))
+
+    def set_replicas(self, pool: str, count: int) -> None:
+        """`count` replicas of the fixed-size `pool` are ready now (the registry's): the pools'
+        capacity follows (admission.max_in_flight: auto)."""
+        if self._capacity is None or self._live.get(pool) == count:
+            return
+        self._live[pool] = count
+        self._capacity = pool_capacity(self._topology, self._live)
+        self.queue.set_capacity(_share(self._capacity, self._ingresses))
 
     async def admit(self, tenant: TenantSpec, endpoint: str, body: dict[str, Any],
                     prompts: list[list[int]] | None) -> Ticket:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -100,6 +101,13 @@ def colocated_ingresses(reports: list[ReplicaReport], own_id: str) -> int | None
     return len({r.replica_id for r in reports if r.state == "ready"} | {own_id})
 
 
+def _count_ready(admission: Admission, pool: str, reports: list[ReplicaReport]) -> None:
+    """Tell admission how many of a fixed pool's replicas are ready (none listed: it keeps the
+    count it had, as a registry read that lists nothing says nothing new)."""
+    if reports:
+        admission.set_replicas(pool, sum(r.state == "ready" for r in reports) or 1)
+
+
 def _waker(handle: DeploymentHandle[Any]) -> Callable[[], Awaitable[None]]:
     async def wake() -> None:
         await handle.wake.remote()
@@ -175,16 +183,30 @@ class Ingress:
                         gateway.stalled_client_timeout_s)
         self._server = HttpServer(routes.handle, gateway.max_body_bytes, limits,
                                   metrics.connection_limit)
+        # the deployed document does not say how many replicas a fixed pool has: the registry
+        # does. Its pools' capacity bounds admission; with colocate, the first pool's replicas
+        # are the ingresses sharing the limits
+        listeners: dict[str, list[Callable[[list[ReplicaReport]], None]]] = {}
+        for pool in topology_.pools:
+            if not topology_.autoscaled(pool):
+                listeners.setdefault(pool.name, []).append(partial(_count_ready, admission,
+                                                                   pool.name))
         if gateway.colocate:  # every replica of the pool is an ingress: they share the limits
             def count(reports: list[ReplicaReport]) -> None:
                 if (ingresses := colocated_ingresses(reports, replica_id)) is not None:
                     admission.set_ingresses(ingresses)
 
-            self._directory.listen(topology_.pools[0].name, count)
-            try:  # the deployed document does not say how many there are: the registry does
-                pool = topology_.pools[0].name
-                count([r for r in await self._directory.snapshot() if r.pool == pool])
-            except Exception as exc:  # noqa: BLE001 - the share of the most there can be, then
+            listeners.setdefault(topology_.pools[0].name, []).append(count)
+        for name, pool_listeners in listeners.items():
+            for listener in pool_listeners:
+                self._directory.listen(name, listener)
+        if listeners:
+            try:
+                reports = await self._directory.snapshot()
+                for name, pool_listeners in listeners.items():
+                    for listener in pool_listeners:
+                        listener([r for r in reports if r.pool == name])
+            except Exception as exc:  # noqa: BLE001 - the next read of the registry brings them
                 logger.warning("gateway %s: replica registry unavailable: %r", replica_id, exc)
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")
         await self._server.start(gateway.host, gateway.port)

@@ -377,3 +377,37 @@ def test_a_waiting_request_starts_when_the_bound_grows() -> None:
         assert await asyncio.wait_for(waiting, 1) >= 0 and queue.in_flight == 2
 
     asyncio.run(scenario())
+
+
+def test_a_running_gateway_takes_a_fixed_pools_size_from_the_registry() -> None:
+    """The deployed document carries a fixed pool at one replica (its count travels beside it,
+    orchestrator.deploy), so the default bound follows the replicas the registry lists ready:
+    two of 64 take 128, shared by two colocated ingresses as 64 each."""
+    from orchestrator.deploy import _without_counts
+    from orchestrator.config import parse_topology
+    from orchestrator.gateway.admission import pool_capacity
+    from orchestrator.gateway.ingress import _count_ready
+    from pools.engine import LoadSnapshot
+    from pools.registry import ReplicaReport
+
+    written = topology(pools=[{"name": "main", "role": "unified", "replicas": 2,
+                               "resources": {"kv_cache_bytes": "64MiB"}}],
+                       gateway={"colocate": True})
+    deployed = parse_topology(_without_counts(written), "deployed")
+    assert deployed.pools[0].replicas == 1 and pool_capacity(written) == 128
+    admission = Admission(deployed, GatewayMetrics(CollectorRegistry(), ["default"]),
+                          Tenants(deployed))
+    admission.set_ingresses(2)
+
+    def report(replica: str, state: str) -> ReplicaReport:
+        return ReplicaReport(app="t", pool="main", role="unified", replica_id=replica,
+                             node_ip="127.0.0.1", pid=1, cores=[], state=state,
+                             load=LoadSnapshot())
+
+    _count_ready(admission, "main", [report("a", "ready"), report("b", "ready"),
+                                     report("c", "draining")])
+    assert admission.queue.capacity == 64
+    _count_ready(admission, "main", [])  # a read that lists nothing: the count stays
+    assert admission.queue.capacity == 64
+    _count_ready(admission, "main", [report("a", "ready")])
+    assert admission.queue.capacity == 32
