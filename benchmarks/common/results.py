@@ -30,6 +30,7 @@ PAGES = {  # results file (no suffix) -> the module whose markdown(result) rende
     "resume_identity": "benchmarks.resume_identity", "router_cost": "benchmarks.router_cost",
     "sim_fidelity": "benchmarks.sim_fidelity",
     "routing_at_scale": "benchmarks.simulated.routing_at_scale",
+    "routing_at_scale-users": "benchmarks.simulated.routing_at_scale",
     "sim_pd": "benchmarks.simulated.sim_pd", "sim_speed": "benchmarks.simulated.sim_speed",
     "simulator": "benchmarks.simulated.simulator",
     "simulator-history": "benchmarks.simulated.simulator",

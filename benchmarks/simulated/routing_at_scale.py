@@ -10,10 +10,16 @@ KV router cost), round_robin as the reference. Two workloads with prefix sharing
 - `mooncake`: a Mooncake-format trace (`--trace`; one hash id per 512 tokens), tiled (each copy
   with ids of its own, its arrivals rotated: more conversations, the same shape of reuse, as
   benchmarks/simulated/simulator.py does) and cut to `--window-s` seconds of arrivals at the rate;
-- `sessions`: generated: `--system-prompts` system prompts (2-8 ids, Zipf popularity) shared by
-  multi-turn sessions (geometric turns, mean 4; each turn sends the whole conversation so far,
-  one id of user text and one of the last answer more each time), sessions starting as a Poisson
-  stream and turns following after exponential think times.
+- `users`: chat users as a closed loop (`sim.users`): `--system-prompts` system prompts (2-8 ids,
+  Zipf popularity) shared by multi-turn conversations (geometric turns, mean 4; each turn sends
+  the whole conversation so far, one id of user text and one of the last answer more each time),
+  each turn sent `--think-s` (mean, exponential) after the answer it follows has ended. The load
+  is a number of users: a rate r stands for r x think-time users, and what they send (less, as
+  answers take time) is the rate reported;
+- `sessions`: the same conversations as an open loop: sessions starting as a Poisson stream,
+  turns following after exponential think times of 30 s, then the whole trace squeezed to the
+  rate, so that a turn can arrive before the answer it carries exists
+  (docs/analysis/routing_at_scale-notes.md). Kept to reproduce earlier results.
 
 The target: TTFT p90 at most `--slo-factor` times the floor's p90, the floor being each request
 alone on an idle engine whose cache holds every block seen before it (no router can do better).
@@ -45,18 +51,21 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import results
-from benchmarks.common.results import RESULTS, TRACE
+from benchmarks.common.results import RESULTS, ROOT, TRACE
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
 from sim.engine import SimRequest
 from sim.loop import EventLoop
 from sim.params import EngineParams
+from sim.feeds import Closed, Feed, Fixed
+from sim.users import Shape
 from tokenfab.stats import percentile
 
 POLICIES = "round_robin,kv_aware,sglang:cache_aware,vllm-router:cache_aware,dynamo:kv"
 TOKENS_PER_ID = 512
 BASELINES = ("sglang:cache_aware", "vllm-router:cache_aware", "dynamo:kv")
+DEFAULT_OUT = RESULTS / "routing_at_scale.json"
 
 
 # --- Workloads --------------------------------------------------------------------------------
@@ -103,43 +112,77 @@ def build(params: EngineParams, rows: list[dict[str, Any]], rate: float,
         output_tokens=lambda row: max(1, min(args.max_output_tokens, row["output_length"])))
 
 
+def feed(params: EngineParams, name: str, base: list[dict[str, Any]], replicas: int,
+         rate: float, args: argparse.Namespace) -> Feed:
+    """Workload `name` at `rate` req/s (the whole pool). For `users`, the rate is nominal: as
+    many users as would send it if answers took no time (rate x think time); what they send is
+    the replay's `rate_rps`."""
+    if name == "users":
+        shape = Shape(tokens_per_id=TOKENS_PER_ID, block_size=params.block_size,
+                      max_prompt_tokens=params.max_model_len - args.max_output_tokens,
+                      max_output_tokens=args.max_output_tokens, think_s=args.think_s,
+                      window_s=args.window_s)
+        return Closed(max(1, round(rate * args.think_s)), shape,
+                      args.system_prompts * max(1, replicas // 16), args.seed)
+    return Fixed(build(params, make_rows(name, base, replicas, rate, args), rate, args), rate)
+
+
+def sent_at(params: EngineParams, name: str, base: list[dict[str, Any]], replicas: int,
+            rate: float, args: argparse.Namespace) -> list[SimRequest]:
+    """The requests workload `name` sends at `rate` (users: as they send them to round_robin)."""
+    load = feed(params, name, base, replicas, rate, args)
+    if isinstance(load, Closed):
+        replay(params, "round_robin", replicas, load, args.seed)
+    return load.sent
+
+
 # --- One replay -------------------------------------------------------------------------------
 
-def replay(params: EngineParams, policy: str, replicas: int, requests: list[SimRequest],
-           seed: int, ttft_target_s: float = 0.0) -> dict[str, Any]:
-    """The requests through a cold pool; latency, hit rate and imbalance."""
+def replay(params: EngineParams, policy: str, replicas: int, feed: Feed, seed: int,
+           ttft_target_s: float = 0.0) -> dict[str, Any]:
+    """The feed's requests through a cold pool; latency, hit rate, imbalance and the load sent."""
     loop = EventLoop()
-    sim = SimCluster(loop, params, policy, replicas, seed=seed, ttft_target_s=ttft_target_s)
+    sim = SimCluster(loop, params, policy, replicas, seed=seed, ttft_target_s=ttft_target_s,
+                     on_finished=feed.finished)
     ratios: list[float] = []
 
     def sample() -> None:
         loads = [r.engine.load() for r in sim.replicas.values()]
         if sum(loads):
             ratios.append(max(loads) / (sum(loads) / len(loads)))
-        if len(sim.finished) < len(requests):
+        if loop.pending():  # requests in flight, or users still to send
             loop.after(1.0, sample)
 
-    sim.submit(requests)
+    feed.start(loop, sim.submit)
     loop.after(1.0, sample)
     loop.run()
+    requests = feed.sent
     done = [r for r in requests if r.first_token is not None and r.finished is not None]
     ttft = np.array([r.first_token - r.arrival for r in done])
     prompt = sum(r.prompt_tokens for r in done)
     return {"requests": len(requests), "unfinished": len(requests) - len(done),
+            "rate_rps": feed.rate_rps,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
             "ttft_p99_s": percentile(ttft, 99),
             "hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
             "imbalance": float(np.mean(ratios)) if ratios else 1.0}
 
 
-def floor_p90(params: EngineParams, rows: list[dict[str, Any]], args: argparse.Namespace) -> float:
+def floor_p90(params: EngineParams, name: str, base: list[dict[str, Any]],
+              args: argparse.Namespace) -> float:
     """TTFT p90 with each request alone on one idle engine whose cache holds every block: one
-    replica, a cache that never evicts, arrivals an hour apart."""
-    requests = build(params, rows, 1 / 3600, args)
+    replica, a cache that never evicts, arrivals an hour apart (in the order they were sent, for
+    users: as 16 replicas' worth of them send at 1 req/s each)."""
+    if name == "users":
+        requests = [SimRequest(r.request_id, 3600.0 * i, r.prompt_tokens, r.block_hashes,
+                               r.output_tokens)
+                    for i, r in enumerate(sent_at(params, name, base, 16, 16.0, args)[:1000])]
+    else:
+        requests = build(params, make_rows(name, base, 16, 1.0, args)[:1000], 1 / 3600, args)
     blocks = len({h for r in requests for h in r.block_hashes}) + 2 * len(requests) \
         + sum(r.output_tokens for r in requests) // params.block_size
     big = params.with_kv_blocks(blocks + params.max_model_len // params.block_size)
-    return replay(big, "round_robin", 1, requests, args.seed)["ttft_p90_s"]
+    return replay(big, "round_robin", 1, Fixed(requests, 1 / 3600), args.seed)["ttft_p90_s"]
 
 
 def engine_seconds(params: EngineParams, prompt: int, cached: int, output: int
@@ -181,17 +224,18 @@ def meets(result: dict[str, Any], slo_s: float) -> bool:
 
 def goodput(params: EngineParams, name: str, base: list[dict[str, Any]], policy: str,
             replicas: int, slo_s: float, start: float, args: argparse.Namespace
-            ) -> tuple[float, list[dict[str, Any]]]:
-    """The highest rate (req/s, whole pool) meeting the target, searched from `start` req/s per
-    replica, and every probe."""
+            ) -> tuple[float, float, list[dict[str, Any]]]:
+    """The highest load meeting the target, searched from `start` req/s per replica (nominal
+    for users): (the rate sent there, that nominal rate for the whole pool, every probe)."""
     probes: list[dict[str, Any]] = []
+    sent: dict[float, float] = {}
 
     def probe(per_replica: float) -> bool:
-        rate = per_replica * replicas
-        rows = make_rows(name, base, replicas, rate, args)
-        result = replay(params, policy, replicas, build(params, rows, rate, args), args.seed,
-                        slo_s)
+        result = replay(params, policy, replicas,
+                        feed(params, name, base, replicas, per_replica * replicas, args),
+                        args.seed, slo_s)
         probes.append({"rate_per_replica": per_replica, **result})
+        sent[per_replica] = result["rate_rps"]
         return meets(result, slo_s)
 
     if probe(start):
@@ -206,11 +250,11 @@ def goodput(params: EngineParams, name: str, base: list[dict[str, Any]], policy:
         while not probe(low):
             low, high = low / 1.5, low
             if low < start / 64:
-                return 0.0, probes
+                return 0.0, 0.0, probes
     for _ in range(args.bisect):
         middle = (low + high) / 2
         low, high = (middle, high) if probe(middle) else (low, middle)
-    return low * replicas, probes
+    return sent[low], low * replicas, probes
 
 
 # --- The run ----------------------------------------------------------------------------------
@@ -226,17 +270,17 @@ def run_scale(params: EngineParams, name: str, base: list[dict[str, Any]], repli
         began = time.monotonic()
         found[policy] = goodput(params, name, base, policy, replicas, slo_s, start, args)
         print(f"{name}, {replicas} replicas, {policy}: goodput {found[policy][0]:.1f} req/s "
-              f"({len(found[policy][1])} probes, {time.monotonic() - began:.0f} s)", flush=True)
-    best = max(rate for rate, _ in found.values())
+              f"({len(found[policy][2])} probes, {time.monotonic() - began:.0f} s)", flush=True)
+    best = max(nominal for _, nominal, _ in found.values())
     records = []
     for policy in policies:
+        rate, nominal, probes = found[policy]
         record = {"workload": name, "replicas": replicas, "policy": policy,
-                  "goodput_rps": found[policy][0], "probes": len(found[policy][1])}
+                  "goodput_rps": rate, "goodput_load_rps": nominal, "probes": len(probes)}
         for share in (0.5, 0.9):
-            rows = make_rows(name, base, replicas, share * best, args)
-            result = replay(params, policy, replicas, build(params, rows, share * best, args),
-                            args.seed, slo_s)
-            record[f"at_{round(share * 100)}pct"] = {"rate_rps": share * best, **result}
+            load = feed(params, name, base, replicas, share * best, args)
+            record[f"at_{round(share * 100)}pct"] = replay(params, policy, replicas, load,
+                                                           args.seed, slo_s)
         records.append(record)
     return records
 
@@ -273,9 +317,8 @@ def with_capacities(params: EngineParams, base: list[dict[str, Any]],
     """Each record gets the capacity of its (workload, replicas) on the window at its best
     policy's goodput."""
     for name, replicas, at in scales(records):
-        rate = max(r["goodput_rps"] for r in at)
-        bound = capacity(params, build(params, make_rows(name, base, replicas, rate, args),
-                                       rate, args), replicas)
+        rate = max(r.get("goodput_load_rps", r["goodput_rps"]) for r in at)
+        bound = capacity(params, sent_at(params, name, base, replicas, rate, args), replicas)
         for record in at:
             record["capacity"] = bound
 
@@ -288,7 +331,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"profile `{p['name']}` ({p['source']}): KV cache {p['kv_blocks']} blocks of "
         f"{p['block_size']} tokens, {p['max_num_batched_tokens']} tokens per step. "
         f"Each replay: {a['window_s']:g} s of arrivals; outputs up to "
-        f"{a['max_output_tokens']} tokens. The simulation is deterministic: a point is one run.",
+        f"{a['max_output_tokens']} tokens. The simulation is deterministic: a point is one run."
+        + (f" `users`: a closed loop of chat users who think {a['think_s']:g} s (mean) between "
+           "an answer and their next turn; the load searched is their number (a rate r stands "
+           "for r x think-time users), and the goodput and the rates at 50% and 90% are what "
+           "they sent." if "users" in a["workloads"].split(",") else ""),
         "",
         "Policies: tokenfab's (its router code and defaults: a replica takes no more requests "
         f"at its engine's max_num_seqs, {p['max_num_seqs']}, in flight; the target below as the "
@@ -330,19 +377,24 @@ def markdown(result: dict[str, Any]) -> str:
     fidelity = result.get("validation")
     if fidelity:
         lines += ["", "Validation of the ports against the real routers at 2 engines "
-                  "(port_fidelity.json):", "",
-                  "| port | agreement | hit rate, port | hit rate, real | difference |",
-                  "|---|---:|---:|---:|---:|"]
+                  "(port_fidelity.json; decision agreement: the port choosing before each "
+                  "request from the real router's own history):", "",
+                  "| port | load | agreement | decision agreement | hit rate, port | "
+                  "hit rate, real | difference |", "|---|---:|---:|---:|---:|---:|---:|"]
         for v in fidelity:
-            lines.append(f"| {v['policy']} | {v['agreement']:.3f} | {v['sim_hit_rate']:.3f} | "
-                         f"{v['real_hit_rate']:.3f} | {v['hit_rate_diff']:+.3f} |")
+            decided = v.get("decision_agreement")
+            lines.append(f"| {v['policy']} | {v['rate_rps']:g} req/s | {v['agreement']:.3f} | "
+                         f"{'-' if decided is None else format(decided, '.3f')} | "
+                         f"{v['sim_hit_rate']:.3f} | {v['real_hit_rate']:.3f} | "
+                         f"{v['hit_rate_diff']:+.3f} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", default="16,64,256")
-    parser.add_argument("--workloads", default="mooncake,sessions")
+    parser.add_argument("--workloads", default="mooncake,users",
+                        help="mooncake, users (a closed loop), sessions (an open loop)")
     parser.add_argument("--policies", default=POLICIES)
     parser.add_argument("--trace", default=str(TRACE), help="the mooncake workload's trace")
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
@@ -350,7 +402,9 @@ def main() -> None:
                         help="seconds of arrivals in each replay")
     parser.add_argument("--max-output-tokens", type=int, default=1024)
     parser.add_argument("--system-prompts", type=int, default=16,
-                        help="the sessions workload's system prompts per 16 replicas")
+                        help="the sessions and users workloads' system prompts per 16 replicas")
+    parser.add_argument("--think-s", type=float, default=10.0,
+                        help="the users workload's mean think time between turns (s)")
     parser.add_argument("--slo-factor", type=float, default=3.0)
     parser.add_argument("--start-rate", type=float, default=1.0, help="req/s per replica")
     parser.add_argument("--bisect", type=int, default=1)
@@ -358,7 +412,7 @@ def main() -> None:
     parser.add_argument("--max-replicas", default="dynamo:kv=64",
                         help="policies run only up to so many replicas (the Dynamo port's "
                         "decisions and events cost the simulator minutes a replay at 256)")
-    parser.add_argument("--out", default=str(RESULTS / "routing_at_scale.json"))
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--report", action="store_true",
                         help="rewrite the results' capacities and report from --out, run nothing")
     args = parser.parse_args()
@@ -373,7 +427,7 @@ def main() -> None:
     base = workload.read_trace(Path(args.trace))
     records, targets = [], {}
     for name in args.workloads.split(","):
-        floor = floor_p90(params, make_rows(name, base, 16, 1.0, args)[:1000], args)
+        floor = floor_p90(params, name, base, args)
         targets[name] = {"floor_p90_s": floor, "slo_s": args.slo_factor * floor}
         print(f"{name}: floor TTFT p90 {floor:.3f} s, target {args.slo_factor * floor:.3f} s")
         start = args.start_rate
@@ -381,7 +435,7 @@ def main() -> None:
             records += run_scale(params, name, base, replicas, targets[name]["slo_s"], start,
                                  args)
             # the next scale's search starts at this one's best goodput per replica
-            start = max(r["goodput_rps"] for r in records if r["workload"] == name
+            start = max(r["goodput_load_rps"] for r in records if r["workload"] == name
                         and r["replicas"] == replicas) / replicas or args.start_rate
             write(Path(args.out), params, args, targets, records, began)
     print(write(Path(args.out), params, args, targets, records, began))
@@ -393,7 +447,14 @@ def report(out: Path, trace: str) -> None:
     args = argparse.Namespace(**result["args"])
     params = profiles.load(args.profile)
     with_capacities(params, workload.read_trace(Path(trace)), result["records"], args)
+    result["validation"] = validation()
     print(results.write(out, result, markdown))
+
+
+def validation() -> list[dict[str, Any]] | None:
+    """The ports' lines of the latest port_fidelity.json, when it exists."""
+    fidelity = RESULTS / "port_fidelity.json"
+    return json.loads(fidelity.read_text())["ports"] if fidelity.exists() else None
 
 
 def write(out: Path, params: EngineParams, args: argparse.Namespace, targets: dict[str, Any],
@@ -401,8 +462,8 @@ def write(out: Path, params: EngineParams, args: argparse.Namespace, targets: di
     """The results so far (after each scale: a long run that stops keeps what it measured)."""
     import msgspec
 
+    out = out.resolve()
     with_capacities(params, workload.read_trace(Path(args.trace)), records, args)
-    fidelity = RESULTS / "port_fidelity.json"
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "trace", "report")}
     result = {"command": "python benchmarks/simulated/routing_at_scale.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in settings.items()
@@ -410,9 +471,10 @@ def write(out: Path, params: EngineParams, args: argparse.Namespace, targets: di
                   f"{k}={v}" for k, v in args.max_replicas.items()),
               "profile": msgspec.to_builtins(params), "args": settings, "targets": targets,
               "records": records, "verdicts": verdicts(records),
-              "validation": json.loads(fidelity.read_text())["ports"] if fidelity.exists()
-              else None,
+              "validation": validation(),
               "wall_s": time.monotonic() - began}
+    if out != DEFAULT_OUT:
+        result["command"] += f" --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}"
     return results.write(out, result, markdown)
 
 

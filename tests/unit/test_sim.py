@@ -583,3 +583,33 @@ def test_fit_to_replay_weighs_the_p99_where_it_is_recorded() -> None:
     real["ttft_p99_s"] = 0.05
     params, scale, error = fit_to_replay(probed, [(simulate, real)])
     assert scale < 1.5 and error > 0  # the p99 moved the fit toward its x1.0
+
+
+def test_users_send_each_turn_after_the_answer_it_follows() -> None:
+    """A closed loop: a conversation's next turn leaves after the turn before it ended (and a
+    think time), extends that turn's blocks by the answer and the next message, and nothing is
+    sent after the window."""
+    from sim.users import Shape, Users
+
+    loop, heard = EventLoop(), []
+    sim = SimCluster(loop, PARAMS, "round_robin", 2, on_finished=lambda r: heard[0].finished(r))
+    shape = Shape(tokens_per_id=8, block_size=4, max_prompt_tokens=120, max_output_tokens=8,
+                  think_s=0.5, window_s=20.0)
+    users = Users(loop, 6, shape, system_prompts=2, submit=lambda r: sim.submit([r]), seed=3)
+    heard.append(users)
+    loop.run()
+    sent = users.sent
+    assert len(sent) > 40 and all(r.finished is not None for r in sent)
+    assert max(r.arrival for r in sent) <= shape.window_s
+    by_user: dict[str, list[SimRequest]] = {}
+    for r in sent:
+        by_user.setdefault(r.request_id.split("-")[0], []).append(r)
+    follows = 0
+    for turns in by_user.values():
+        for before, after in zip(turns, turns[1:]):
+            assert after.arrival > before.finished  # never before the answer it follows
+            shared = list(after.block_hashes[:len(before.block_hashes)])
+            if shared == list(before.block_hashes):  # the same conversation, one turn on
+                follows += 1
+                assert len(after.block_hashes) == len(before.block_hashes) + 4
+    assert follows > len(sent) // 3  # most conversations have more than one turn (mean 4)
