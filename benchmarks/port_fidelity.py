@@ -10,6 +10,10 @@ these engines by benchmarks/sim_fidelity.py) routed by the port. Per (router, ra
 - agreement: the share of requests the port sent to the same engine as the real router, under
   the better of the two ways of pairing the engines with the port's replicas (the engines are
   alike, and a router's worker order is its own);
+- decision agreement: the real router's decisions replayed one at a time through the port
+  (`sim.decisions`): before each request the port holds what the real router's earlier
+  decisions left and the requests then in flight per engine, and chooses; the share it chose
+  alike (one choice made differently no longer carries over to the later turns);
 - hit rate: the engines' cached prompt tokens over prompt tokens, real (from usage) and
   simulated, and their difference (the target: within 0.03).
 
@@ -40,6 +44,9 @@ from benchmarks.common.traces import (BLOCK_TOKENS, MAX_BLOCKS, Prompts, sample_
 from sim import params as profiles
 from sim import workload
 from sim.cluster import SimCluster
+from sim.decisions import Decision
+from sim.decisions import agreement as decision_agreement
+from sim.engine import SimRequest
 from sim.loop import EventLoop
 
 MODEL = str(tiny_model_dir())
@@ -69,16 +76,22 @@ def real_run(session: Session, system: str, urls: list[str], logs: Path, rows: l
     prompt = sum(u.get("prompt_tokens", 0) for u in usages)
     cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
     return {"engines": engines, "hit_rate": cached / prompt if prompt else 0.0,
-            "failed": sum(r["status"] != 200 for r in results)}
+            "failed": sum(r["status"] != 200 for r in results),
+            "sent": [r["sent"] for r in results], "done": [r["done"] for r in results]}
+
+
+def window(rows: list[dict], rate: float) -> list[SimRequest]:
+    """The window's requests as the simulator sees them: a prompt's blocks are its hash ids."""
+    return workload.requests(rows, rate, tokens_per_id=BLOCK_TOKENS, block_size=BLOCK_TOKENS,
+                             max_prompt_tokens=MAX_BLOCKS * BLOCK_TOKENS + 1,
+                             output_tokens=lambda row: MAX_TOKENS, exact_ids=True)
 
 
 def simulated(port: str, rows: list[dict], rate: float) -> dict[str, Any]:
     """The window through the port in the simulator: each request's engine and the hit rate."""
     params = profiles.load("cpu-tiny")
-    requests = workload.requests(rows, rate, tokens_per_id=BLOCK_TOKENS,
-                                 block_size=params.block_size,
-                                 max_prompt_tokens=MAX_BLOCKS * BLOCK_TOKENS + 1,
-                                 output_tokens=lambda row: MAX_TOKENS, exact_ids=True)
+    assert params.block_size == BLOCK_TOKENS, "the profile's blocks are the engines' blocks"
+    requests = window(rows, rate)
     loop = EventLoop()
     sim = SimCluster(loop, params, port, 2)
     sim.submit(requests)
@@ -88,21 +101,51 @@ def simulated(port: str, rows: list[dict], rate: float) -> dict[str, Any]:
             "hit_rate": sum(r.cached_tokens for r in requests) / prompt if prompt else 0.0}
 
 
-def agreement(real: list[int | None], sim: list[int]) -> tuple[float, bool]:
-    """The share of requests placed alike, and whether the engines are paired crosswise.
+def agreement(real: list[int | None], sim: list[int], crosswise: bool | None = None
+              ) -> tuple[float, bool]:
+    """The share of requests placed alike, and whether the engines are paired crosswise: as
+    `crosswise` says, or the better pairing where it is None.
 
     Example: real [0, 0, 1, None], sim [1, 1, 0, 0] -> 0.75, crosswise."""
     same = sum(a == b for a, b in zip(real, sim))
     crossed = sum(a is not None and a != b for a, b in zip(real, sim))
-    return max(same, crossed) / len(real), crossed > same
+    if crosswise is None:
+        crosswise = crossed > same
+    return (crossed if crosswise else same) / len(real), crosswise
+
+
+def window_rows() -> list[dict]:
+    return sample_by_root(TRACE, 0.03, 0)
+
+
+def replay_decisions(record: dict[str, Any], rows: list[dict]) -> None:
+    """Adds to `record` the real router's decisions replayed one at a time through the port
+    (`sim.decisions`): the decision agreement, the port's choices, and their pairing."""
+    requests = window(rows, record["rate_rps"])
+    if len(requests) != len(record["real_sent"]):
+        raise ValueError(f"{len(record['real_sent'])} requests recorded, the window has "
+                         f"{len(requests)}")
+    decisions = [Decision(tuple(r.block_hashes), r.prompt_tokens, sent, done, engine)
+                 for r, sent, done, engine in zip(requests, record["real_sent"],
+                                                  record["real_done"], record["real_engines"])]
+    share, choices, crosswise = decision_agreement(record["policy"], BLOCK_TOKENS, decisions)
+    record.update(decision_agreement=share, decision_choices=choices,
+                  decision_crosswise=crosswise)
 
 
 def finish(result: dict[str, Any], out: Path) -> None:
+    """Both agreements (the whole replay's under the pairing the decision replay found, which
+    tells the router's worker order), then the results."""
+    rows = window_rows()
     for record in result["records"]:
-        record["agreement"], record["crosswise"] = agreement(record["real_engines"],
-                                                             record["sim_engines"])
+        if "real_sent" in record:
+            replay_decisions(record, rows)
+        record["agreement"], record["crosswise"] = agreement(
+            record["real_engines"], record["sim_engines"], record.get("decision_crosswise"))
     result["ports"] = [{"policy": r["policy"], "rate_rps": r["rate_rps"],
-                        "agreement": r["agreement"], "sim_hit_rate": r["sim_hit_rate"],
+                        "agreement": r["agreement"],
+                        "decision_agreement": r.get("decision_agreement"),
+                        "sim_hit_rate": r["sim_hit_rate"],
                         "real_hit_rate": r["real_hit_rate"], "hit_rate_diff": r["hit_rate_diff"]}
                        for r in result["records"]]
     print(write(out, result, markdown))
@@ -113,11 +156,21 @@ def markdown(result: dict[str, Any]) -> str:
              f"`{result['command']}`. {result['requests']} requests (the h2h's window), 2 engines "
              "of the tiny model; simulated with the `cpu-tiny` profile. Run took "
              f"{result['wall_s'] / 60:.1f} min.", "",
-             "| router | port | load | agreement | hit rate, real | hit rate, port | "
-             "difference | within 0.03 |", "|---|---|---|---:|---:|---:|---:|---|"]
+             "Agreement: the share of requests the port, replaying the whole window, sent to "
+             "the same engine as the real router. Decision agreement: the same share with the "
+             "port choosing before each request from the real router's own history (the prompts "
+             "it had sent where, and the requests then in flight on each engine), so that one "
+             "different choice does not carry over to every later turn of its conversation "
+             "(`sim/decisions.py`).", "",
+             "| router | port | load | agreement | decision agreement | hit rate, real | "
+             "hit rate, port | difference | within 0.03 |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in result["records"]:
+        decided = r.get("decision_agreement")
         lines.append(f"| {r['router']} | {r['policy']} | {r['rate_rps']:g} req/s | "
-                     f"{r['agreement']:.3f} | {r['real_hit_rate']:.3f} | {r['sim_hit_rate']:.3f} "
+                     f"{r['agreement']:.3f} | "
+                     f"{'-' if decided is None else format(decided, '.3f')} | "
+                     f"{r['real_hit_rate']:.3f} | {r['sim_hit_rate']:.3f} "
                      f"| {r['hit_rate_diff']:+.3f} | "
                      f"{'yes' if abs(r['hit_rate_diff']) <= 0.03 else 'no'} |")
     return "\n".join(lines) + "\n"
@@ -137,7 +190,7 @@ def main() -> None:
         return
     prioritise_client(-10)
     began = time.monotonic()
-    rows = sample_by_root(TRACE, 0.03, 0)
+    rows = window_rows()
     words = single_token_words(MODEL)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
@@ -163,8 +216,10 @@ def main() -> None:
                                 "real_hit_rate": real["hit_rate"], "sim_hit_rate": sim["hit_rate"],
                                 "hit_rate_diff": sim["hit_rate"] - real["hit_rate"],
                                 "failed": real["failed"], "real_engines": real["engines"],
-                                "sim_engines": sim["engines"]})
-                print({k: v for k, v in records[-1].items() if not k.endswith("engines")})
+                                "sim_engines": sim["engines"], "real_sent": real["sent"],
+                                "real_done": real["done"]})
+                print({k: v for k, v in records[-1].items() if k not in
+                       ("real_engines", "sim_engines", "real_sent", "real_done")})
     finally:
         session.close()
     result = {"command": "python benchmarks/port_fidelity.py --rates " + args.rates

@@ -108,6 +108,14 @@ class _CacheAware:
         return high - low > self.config.balance_abs_threshold \
             and _F32(high) > _F32(low) * _F32(self.config.balance_rel_threshold)
 
+    def record(self, block_hashes: Sequence[int], replicas: Sequence[ReplicaId],
+               chosen: ReplicaId) -> None:
+        """A decision made elsewhere (`sim.decisions`): the prompt inserted for `chosen`, as
+        `choose` inserts it. sglang's match in `choose` also moves the tree's epochs (one match
+        in 8 refreshes a node's); those order eviction only, and are not replayed."""
+        self._prepare(replicas)
+        self.tree.insert(block_hashes, chosen)
+
     def first_token(self, request_id: str) -> None:
         pass
 

@@ -40,7 +40,7 @@ class ApproxTree:
     def __init__(self) -> None:
         self.root = _Node((), None, None)
         self.size: dict[Tenant, int] = {}
-        self._epochs = itertools.count()  # the source's process-wide EPOCH_COUNTER
+        self._epoch = -1  # the source's process-wide EPOCH_COUNTER (an int: the tree copies)
 
     def insert(self, keys: Sequence[int], tenant: Tenant) -> None:
         """Add `keys` for `tenant`, splitting the node where they diverge. The node it ends on gets
@@ -52,7 +52,7 @@ class ApproxTree:
             child = node.children.get(keys[i])
             if child is None:
                 leaf = node.children[keys[i]] = _Node(tuple(keys[i:]), node, tenant)
-                leaf.tenants[tenant] = next(self._epochs)
+                leaf.tenants[tenant] = self._next_epoch()
                 self.size[tenant] += n - i
                 return
             shared = _shared(keys, i, child.text)
@@ -66,7 +66,11 @@ class ApproxTree:
                 self.size[tenant] += len(child.text)
                 child.tenants[tenant] = 0
             node, i = child, i + shared
-        node.tenants[tenant] = next(self._epochs)
+        node.tenants[tenant] = self._next_epoch()
+
+    def _next_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
 
     def prefix_match(self, keys: Sequence[int]) -> tuple[Tenant, int]:
         """sglang's `prefix_match_with_counts`: the keys matched by any tenant, and the cached
@@ -85,7 +89,7 @@ class ApproxTree:
         tenant = node.last_tenant
         if tenant is None or tenant not in node.tenants:
             tenant = node.last_tenant = next(iter(node.tenants), EMPTY)
-        epoch = next(self._epochs)
+        epoch = self._next_epoch()
         if epoch & 0x7 == 0:
             node.tenants[tenant] = epoch
         return tenant, matched

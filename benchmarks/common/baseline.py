@@ -119,14 +119,15 @@ def start_engine(session: Session, model: str, core: int, port: int, kv_bytes: i
                  logs: Path, extra: tuple[str, ...] = (),
                  env: dict[str, str] | None = None) -> Process:
     """A vLLM OpenAI server on 127.0.0.1:`port`, its engine pinned to `core`; prefix caching
-    and `POST /reset_prefix_cache` on, cached tokens reported in usage; `extra` arguments
+    and `POST /reset_prefix_cache` on, cached tokens reported in usage, the render endpoints
+    on (vllm-router tokenizes prompts through them: `check_prefix_inputs`); `extra` arguments
     after those (LoRA's, say), `env` added to its environment."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", model, "--served-model-name", "tiny",
                "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                "--max-model-len", "2048", "--dtype", "bfloat16", "--enable-prefix-caching",
                "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", str(BLOCK_TOKENS),
-               "--enable-prompt-tokens-details", *extra]
+               "--enable-prompt-tokens-details", "--enable-scale-out", *extra]
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_SERVER_DEV_MODE": "1"} | (env or {})
     return session.spawn(command, env, logs / f"vllm-{port}.log")
@@ -150,14 +151,45 @@ def wait_ready(url: str, process: Process | None, timeout_s: float, path: str) -
 @contextmanager
 def routed(session: Session, system: str, policy: str, port: int, metrics_port: int,
            workers: list[str], logs: Path) -> Iterator[str]:
-    """A router (start_router) while the block runs, ready: its URL."""
+    """A router (start_router) while the block runs, ready (vllm-router cache_aware: routing by
+    its prompts' tokens, `check_prefix_inputs`): its URL."""
     router = start_router(session, system, policy, port, metrics_port, workers, logs)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, router, 300, "/v1/models")
+        if system == "vllm-router" and policy == "cache_aware":
+            check_prefix_inputs(url, metrics_port)
         yield url
     finally:
         stop(router)
+
+
+def check_prefix_inputs(url: str, metrics_port: int) -> None:
+    """One request through vllm-router's cache_aware, which must have been routed by its prompt's
+    tokens. vllm-router asks each worker to render a prompt (`/v1/completions/render`) before it
+    routes; where a worker refuses (vLLM serves that route only with `--enable-scale-out`) it
+    routes every request to the least loaded worker and says so only in its metrics (outcome
+    `missing_tokens`), so a benchmark would measure least-loaded routing under its name."""
+    probe = {"model": "tiny", "prompt": "a probe of the router's prefix inputs", "max_tokens": 1}
+    httpx.post(f"{url}/v1/completions", json=probe, timeout=60, trust_env=False
+               ).raise_for_status()
+    outcomes = prefix_outcomes(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics",
+                                         timeout=10, trust_env=False).text)
+    if outcomes.get("missing_tokens") or not outcomes:
+        raise RuntimeError(f"vllm-router cache_aware did not route by the prompt's tokens "
+                           f"(its decisions by outcome: {outcomes}); are the workers' render "
+                           "endpoints on (vLLM's --enable-scale-out)?")
+
+
+def prefix_outcomes(metrics: str) -> dict[str, float]:
+    """vllm-router's cache_aware decisions by outcome, summed over stages, from its Prometheus
+    text: `prefix_hit`, `prefix_miss`, `load_imbalance`, `missing_tokens`."""
+    outcomes: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("vllm_router_prefix_routing_decisions_total{") and 'outcome="' in line:
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            outcomes[outcome] = outcomes.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return outcomes
 
 
 def start_router(session: Session, system: str, policy: str, port: int, metrics_port: int,

@@ -110,6 +110,29 @@ def test_port_agreement_takes_the_better_pairing_of_the_engines(real, sim, expec
     assert agreement(real, sim) == expected
 
 
+# vllm-router 0.1.17's Prometheus lines for its cache_aware decisions, as it writes them
+_ROUTED_BY_TOKENS = """# TYPE vllm_router_prefix_routing_decisions_total counter
+vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",outcome="prefix_hit"} 49
+vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",outcome="prefix_miss"} 72
+vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="prefill",outcome="prefix_miss"} 3
+vllm_router_kv_routing_inputs_total{transport="http",result="render"} 242
+"""
+_FELL_BACK = """vllm_router_kv_routing_inputs_total{transport="http",result="preparation_rejected"} 240
+vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",outcome="missing_tokens"} 120
+"""
+
+
+@pytest.mark.parametrize(("metrics", "expected"), [
+    (_ROUTED_BY_TOKENS, {"prefix_hit": 49.0, "prefix_miss": 75.0}),
+    (_FELL_BACK, {"missing_tokens": 120.0}),
+    ("", {}),
+])
+def test_vllm_router_decisions_are_read_by_outcome(metrics, expected):
+    from benchmarks.common.baseline import prefix_outcomes
+
+    assert prefix_outcomes(metrics) == expected
+
+
 def test_capacity_counts_each_request_at_the_reuse_bound_and_the_work_spread_perfectly():
     """Two 64-token prompts of the same 4 blocks of 16, at 1 ms a token: the first computes 64
     tokens, the second its last block (a prompt held whole still computes one token, so the

@@ -16,6 +16,7 @@ from sim.baselines_cache_aware import (CacheAwareConfig, SglangCacheAware,
 from sim.baselines_dynamo import DynamoKvRouter, softmax_sample
 from sim.baselines_tree import ApproxTree
 from sim.cluster import SimCluster
+from sim.decisions import Decision, agreement
 from sim.loop import EventLoop
 from sim.params import EngineParams
 
@@ -194,3 +195,58 @@ def test_each_port_routes_a_simulated_pool(policy: str) -> None:
 def test_unknown_baseline_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="dynamo:kv"):
         build_baseline("sglang:round_robin", BS, lambda: 0.0, random.Random())
+
+
+def _decision(blocks: list[int], sent: float, done: float, engine: int | None) -> Decision:
+    return Decision(tuple(blocks), len(blocks) * BS + 1, sent, done, engine)
+
+
+DECISION_CASES = {
+    # the real router sent A to engine 1, then A again: the port keeps A where it went
+    "the port's first replica is the real second engine": (
+        [_decision(A, 0.0, 10.0, 1), _decision(A, 1.0, 10.0, 1)], 1.0, [1, 1], True),
+    # B arrives while A runs on engine 0: the least loaded, engine 1, for B too
+    "in-flight requests are the load": (
+        [_decision(A, 0.0, 5.0, 0), _decision(B, 1.0, 5.0, 1)], 1.0, [0, 1], False),
+    # A ended before B: both idle, the first of equals (engine 0) where the real one took 1
+    "an ended request is not load": (
+        [_decision(A, 0.0, 0.5, 0), _decision(B, 1.0, 2.0, 1)], 0.5, [0, 0], False),
+    # the port would take engine 0 for B, the real router took 1: B's next turn follows the
+    # real router's record (the port's own would have kept it on 0)
+    "the real choice is recorded, not the port's": (
+        [_decision(A, 0.0, 0.5, 0), _decision(B, 1.0, 1.5, 1), _decision(B, 2.0, 3.0, 1)],
+        2 / 3, [0, 0, 1], False),
+    "an unlogged request is skipped": (
+        [_decision(A, 0.0, 9.0, 0), _decision(C, 0.5, 9.0, None), _decision(B, 1.0, 9.0, 1)],
+        1.0, [0, None, 1], False),
+}
+
+
+@pytest.mark.parametrize("policy", ["sglang:cache_aware", "vllm-router:cache_aware"])
+@pytest.mark.parametrize("case", DECISION_CASES)
+def test_a_real_routers_decisions_replay_through_its_port(policy: str, case: str) -> None:
+    decisions, share, choices, crosswise = DECISION_CASES[case]
+    assert agreement(policy, BS, decisions) == (share, choices, crosswise)
+
+
+def test_a_port_fed_by_engine_events_is_not_replayed() -> None:
+    with pytest.raises(ValueError, match="cannot be replayed"):
+        agreement("dynamo:kv", BS, [_decision(A, 0.0, 1.0, 0)])
+    with pytest.raises(ValueError, match="two engines"):
+        agreement("sglang:cache_aware", BS, [_decision(A, 0.0, 1.0, 2)])
+
+
+@pytest.mark.parametrize("policy", ["sglang:cache_aware", "vllm-router:cache_aware"])
+def test_recording_a_choice_leaves_the_tree_choosing_it_leaves(policy: str) -> None:
+    """Three choices made on one port and recorded on another leave the same tree: a cold A
+    (the first of equal loads), A's head with B's while a is past the imbalance rule (the least
+    loaded, b), and a cold C."""
+    chose, recorded = (build_baseline(policy, BS, lambda: 0.0, random.Random(0))
+                       for _ in range(2))
+    busy = {"a": 200, "b": 0}  # imbalanced: both ports take the least loaded, b
+    for blocks, load, target in ((A, IDLE, "a"), (A[:6] + B[:4], busy, "b"), (C, IDLE, "a")):
+        assert chose.choose("q", blocks, len(blocks) * BS, REPLICAS, load) == target
+        recorded.record(blocks, REPLICAS, ReplicaId(target))
+    assert recorded.tree.size == chose.tree.size
+    for probe in (A, A[:6] + B[:4], B, C):
+        assert recorded.tree.match_depths(probe) == chose.tree.match_depths(probe)
