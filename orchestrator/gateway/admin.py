@@ -21,7 +21,7 @@ from orchestrator.gateway import pool_metrics
 from orchestrator.gateway.adapters import AdapterCatalog, not_found
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.errors import GatewayError, send_error
-from orchestrator.gateway.http import HttpRequest, Responder
+from orchestrator.gateway.responder import HttpRequest, Responder
 from orchestrator.gateway.peers import IngressPeers
 from kvtransfer.metrics import TransferMetrics
 

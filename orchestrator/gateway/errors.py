@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from orchestrator.gateway.http import Responder
+from orchestrator.gateway.responder import Responder
 from tokenfab.errors import TokenfabError, openai_error
 
 

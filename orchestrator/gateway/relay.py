@@ -17,7 +17,7 @@ from typing import Any
 from channel.client import ReplyStream
 from channel.frames import AdapterRef, Head, Usage
 from orchestrator.gateway.errors import GatewayError, ReplicaFailed
-from orchestrator.gateway.http import Responder
+from orchestrator.gateway.responder import Responder
 from tokenfab.errors import LinkLost, ReplyFailed
 
 

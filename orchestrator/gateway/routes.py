@@ -26,7 +26,7 @@ from orchestrator.gateway.dispatch import NO_REPLICA, OVERLOADED
 from orchestrator.gateway.admission import Admission
 from orchestrator.gateway.errors import GatewayError, send_error
 from orchestrator.gateway.flows import Flow, client_salt
-from orchestrator.gateway.http import HttpRequest, Responder
+from orchestrator.gateway.responder import HttpRequest, Responder
 from orchestrator.gateway.metrics import UNKNOWN_MODEL, UNKNOWN_TENANT, GatewayMetrics
 from orchestrator.gateway.relay import Call
 from orchestrator.config import Topology

@@ -13,7 +13,8 @@ from channel.client import ReplicaLink
 from channel.frames import Request, Usage
 from channel.server import ChannelServer, ReplySink
 from orchestrator.gateway.connection_limits import Limits
-from orchestrator.gateway.http import HttpRequest, HttpServer, Responder
+from orchestrator.gateway.http import HttpServer
+from orchestrator.gateway.responder import HttpRequest, Responder
 from tests.unit.replicas import SECRET
 
 CHUNKS = 400

@@ -24,7 +24,7 @@ from channel.frames import Usage
 from orchestrator.gateway.dispatch import PoolDispatcher, ReplicaDirectory
 from orchestrator.gateway.errors import GatewayError
 from orchestrator.gateway.flows import DisaggregatedFlow, UnifiedFlow
-from orchestrator.gateway.http import Responder
+from orchestrator.gateway.responder import Responder
 from orchestrator.gateway.relay import Call
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.nixl import SideChannel, connector_config, reserve_side_channel

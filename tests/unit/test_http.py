@@ -13,7 +13,8 @@ import httpx
 import pytest
 import uvloop
 
-from orchestrator.gateway.http import FIRST_REQUEST_GRACE_S, HttpRequest, HttpServer, Responder
+from orchestrator.gateway.http import FIRST_REQUEST_GRACE_S, HttpServer
+from orchestrator.gateway.responder import HttpRequest, Responder
 
 
 class App:

@@ -12,7 +12,8 @@ import time
 import pytest
 import uvloop
 
-from orchestrator.gateway.http import HttpRequest, HttpServer, Responder
+from orchestrator.gateway.http import HttpServer
+from orchestrator.gateway.responder import HttpRequest, Responder
 from orchestrator.gateway.connection_limits import LIMIT_REASONS, Limits
 
 GET = b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n"
