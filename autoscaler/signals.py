@@ -99,23 +99,35 @@ def pool_signals(per_metric: Mapping[str, Mapping[object, float]], replicas: int
 
 
 class Window:
-    """Samples of the last `seconds`, for a p90 or a rate. Not thread-safe: one writer."""
+    """Samples of the last `seconds`, for a p90 or a rate. Not thread-safe: one writer.
+    Each sample added drops those older than the window, so it holds one window's worth whether
+    or not anything reads it."""
 
     def __init__(self, seconds: float) -> None:
         self._seconds = seconds
         self._samples: deque[tuple[float, float]] = deque()
 
     def add(self, value: float, now: float | None = None) -> None:
-        self._samples.append((time.monotonic() if now is None else now, value))
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        self._samples.append((now, value))
+
+    def __len__(self) -> int:
+        return len(self._samples)
 
     def _trim(self, now: float) -> None:
         while self._samples and self._samples[0][0] < now - self._seconds:
             self._samples.popleft()
 
     def p90(self, now: float | None = None) -> float:
+        return self.quantile(0.9, now)
+
+    def quantile(self, q: float, now: float | None = None) -> float:
+        """The value q of the way up the window's sorted samples (nearest rank below); 0 for an
+        empty window."""
         self._trim(time.monotonic() if now is None else now)
         values = sorted(v for _, v in self._samples)
-        return values[min(len(values) - 1, int(0.9 * len(values)))] if values else 0.0
+        return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
     def rate(self, now: float | None = None) -> float:
         """Sum of values per second over the window."""

@@ -221,6 +221,29 @@ def status(app: str | None, dashboard: str, as_json: bool) -> None:
 
 
 @main.command()
+@click.option("--app", default=None, help="Application name (default: the only one deployed).")
+@click.option("--dashboard", default=DEFAULT_CLUSTER.dashboard_url, show_default=True)
+@click.option("--interval", default=1.0, show_default=True, help="Seconds between redraws.")
+@click.option("--once", is_flag=True, help="Print one screen and exit.")
+def top(app: str | None, dashboard: str, interval: float, once: bool) -> None:
+    """Every pool replica's load, latency and health, redrawn in place (Ctrl-C quits)."""
+    from rich.console import Console
+
+    from orchestrator.top import read, render, run
+
+    if once:
+        frame = read(dashboard, app)
+        Console().print(render(frame))
+        if frame.error is not None:
+            sys.exit(1)
+        return
+    try:
+        run(dashboard, app, interval)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
 @click.argument("pool")
 @click.argument("replicas", type=int)
 @click.option("--app", default=None, help="Application name (default: the only one deployed).")

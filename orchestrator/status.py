@@ -132,6 +132,7 @@ def _row(pool: str, role: str, replica: dict[str, Any], report: dict[str, Any] |
             "health": "engine failed" if report["state"] == "failed" else row["health"],
             "kv_events_endpoint": report["kv_events_endpoint"],
             "side_channel": report["side_channel"],
+            "latency": report.get("latency") or {},
             "kv_transfers": load["kv_transfers"],
             "kv_transfer_bytes": load["kv_transfer_bytes"],
             "kv_transfer_failures": load["kv_transfer_failures"],

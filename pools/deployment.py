@@ -328,6 +328,7 @@ class PoolReplica:
             app=self._settings.app, pool=self._settings.pool, role=self._settings.role,
             replica_id=self._replica_id, node_ip=self._node_ip, pid=os.getpid(),
             cores=self._cores.cores if self._cores else [], load=self._load(),
+            latency=self._engine.latency(),
             state="failed" if self._state == "ready" and self._engine.dead else self._state,
             kv_events_endpoint=events.public if events else None,
             kv_replay_endpoint=events.replay if events else None,

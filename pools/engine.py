@@ -123,6 +123,18 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
         return self.prefix_cache_hits / self.prefix_cache_queries
 
 
+class Latency(msgspec.Struct, frozen=True):
+    """One replica's latencies and output rate over its engine's recent window (the
+    autoscaler's, SIGNAL_WINDOW_S): first tokens of requests that got one in it, and the mean
+    gap between tokens of requests that ended in it; zeros when none did."""
+
+    ttft_p50_s: float = 0.0
+    ttft_p90_s: float = 0.0
+    itl_p50_s: float = 0.0
+    itl_p90_s: float = 0.0
+    generation_tokens_per_s: float = 0.0
+
+
 class Engine(Protocol):
     """An engine serving OpenAI requests. One instance per replica; all methods run on one loop.
 
@@ -153,5 +165,7 @@ class Engine(Protocol):
     def rank_loads(self) -> list[LoadSnapshot]: ...  # per data-parallel rank, in rank order
 
     def signals(self) -> Any: ...  # autoscaler.signals.ReplicaSignals
+
+    def latency(self) -> Latency: ...
 
     def shutdown(self) -> None: ...

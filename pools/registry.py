@@ -20,7 +20,7 @@ import msgspec
 
 from autoscaler.records import ScaleRecord
 from channel.secret import NAMESPACE  # the cluster secrets' namespace, shared
-from pools.engine import LoadSnapshot
+from pools.engine import Latency, LoadSnapshot
 from tokenfab.ray_compat import gcs_client
 
 logger = logging.getLogger("ray.serve").getChild("tokenfab.registry")
@@ -51,6 +51,7 @@ class ReplicaReport(msgspec.Struct, frozen=True):
     cores: list[int]
     state: str  # "starting", "ready", "draining", "failed" (its engine died)
     load: LoadSnapshot
+    latency: Latency = msgspec.field(default_factory=Latency)  # over the engine's recent window
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
     block_size: int = 0  # KV cache block size (0 until the engine has started)

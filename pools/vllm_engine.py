@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from autoscaler.signals import SIGNAL_WINDOW_S, ReplicaSignals, Window
 from tokenfab.errors import EngineDeadError, EngineError, openai_error
 from channel.frames import AdapterRef
-from pools.engine import Endpoint, EngineSpec, LoadSnapshot, ReplyHead, TokenTrace
+from pools.engine import Endpoint, EngineSpec, Latency, LoadSnapshot, ReplyHead, TokenTrace
 from pools.vllm_compat import RANK, TRACE, continue_on_add_request, trace_generate
 from pools.vllm_lora import VllmLora
 
@@ -109,6 +109,12 @@ class _LoadRecorder:
             queued_prompt_tokens=float(queued_prompt_tokens),
             # ranks prefill side by side: the replica's capacity is theirs together
             prefill_capacity_tokens_per_s=self._prefill_rate.p90() * len(self.ranks))
+
+    def latency(self) -> Latency:
+        ttft, itl = self._ttft, self._itl
+        return Latency(ttft_p50_s=ttft.quantile(0.5), ttft_p90_s=ttft.quantile(0.9),
+                       itl_p50_s=itl.quantile(0.5), itl_p90_s=itl.quantile(0.9),
+                       generation_tokens_per_s=self._generated.rate())
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -390,6 +396,9 @@ class VllmEngine:
     def signals(self) -> ReplicaSignals:
         queued = self._llm.get_num_queued_tokens() if self._llm is not None else 0
         return self._recorder.signals(queued)
+
+    def latency(self) -> Latency:
+        return self._recorder.latency()
 
     def shutdown(self) -> None:
         if self._llm is not None:

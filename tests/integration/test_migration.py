@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,8 +22,9 @@ import pytest
 from benchmarks.common.streams import Stream, divergence, greedy, stream
 from benchmarks.soak import kill_engine, soak
 from orchestrator.config import Topology
+from orchestrator.deploy import ServeClient
 from orchestrator.status import gateway_url
-from tests.integration.conftest import ROOT, up
+from tests.integration.conftest import ROOT, TOKENFAB, up
 from tests.promql import scrape
 
 TOPOLOGY = ROOT / "tests/integration/topology-migration.yaml"
@@ -216,6 +220,57 @@ def test_registry_entries_outlive_their_writer_and_expire(migrating: Topology) -
         asyncio.run(check())
     finally:
         ray.shutdown()
+
+
+def test_top_shows_the_pool_and_a_killed_replica_failing_then_replaced(
+        migrating: Topology) -> None:
+    """`tokenfab top` in a real terminal (tmux, read back with capture-pane): both replicas of
+    the pool; after one's engine is killed, that replica failing, then another in its place and
+    both running."""
+    tmux = shutil.which("tmux")
+    assert tmux, "tmux is needed to test `tokenfab top` in a terminal"
+    root = gateway_url(migrating)
+    _await_both_ready(root)  # the previous test's victim is being replaced
+    serve = ServeClient(migrating.cluster.dashboard_url)  # Serve's view: live replicas only
+    pids = {r["replica_id"]: r["pid"] for r in
+            serve.application(migrating.name)["deployments"]["pool-main"]["replicas"]
+            if r["state"] == "RUNNING"}
+    assert len(pids) == 2, pids
+    session = f"tokenfab-top-{os.getpid()}"
+    # tmux hands the pane COLUMNS=80 when its client's output is not a terminal (pytest's
+    # capture), which rich would believe over the pane's own 200 columns
+    command = ["env", "-u", "COLUMNS", "-u", "LINES", TOKENFAB, "top", "--app", migrating.name,
+               "--interval", "0.5", "--dashboard", migrating.cluster.dashboard_url]
+    subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "200", "-y", "40",
+                    shlex.join(command)], check=True)
+
+    def rows() -> dict[str, str]:
+        """The screen's replica rows, by replica id."""
+        screen = subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
+                                text=True, check=True).stdout
+        cells = ([c.strip() for c in line.split("│")[1:-1]] for line in screen.splitlines())
+        return {c[0]: " ".join(c[1:3]) for c in cells if len(c) > 3 and c[0] != "REPLICA"}
+
+    def until(what: str, ok, timeout_s: float) -> dict[str, str]:
+        deadline, seen = time.monotonic() + timeout_s, {}
+        while time.monotonic() < deadline:
+            seen = rows()
+            if ok(seen):
+                return seen
+            time.sleep(0.25)
+        raise AssertionError(f"{what}: the screen's rows were {seen}")
+
+    try:
+        until("both replicas running", lambda r: set(pids) <= set(r) and all(
+            r[p] == "RUNNING healthy" for p in pids), 30)
+        victim = sorted(pids)[0]
+        kill_engine(pids[victim])
+        until("the killed replica failing", lambda r: victim in r and r[victim] != "RUNNING healthy",
+              90)
+        until("another replica in its place, both running", lambda r: victim not in r and len(r) == 2
+              and all(state == "RUNNING healthy" for state in r.values()), 300)
+    finally:
+        subprocess.run([tmux, "kill-session", "-t", session], check=False)
 
 
 def test_short_soak_kills_engines_under_load_and_loses_nothing(migrating: Topology) -> None:

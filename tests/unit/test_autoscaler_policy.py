@@ -148,6 +148,10 @@ def test_pool_signals_fold_replicas_and_windows() -> None:
         window.add(float(i + 1), now=float(i))
     assert window.p90(now=9.0) == 10.0 and window.rate(now=9.0) == 5.5
     assert window.p90(now=30.0) == 0.0
+    unread = Window(10.0)  # an engine's windows between reports: bounded by adding alone
+    for i in range(1000):
+        unread.add(1.0, now=float(i))
+    assert len(unread) == 11
 
 
 def test_a_latency_floor_above_half_the_target_does_not_hold_the_pool_up() -> None:
@@ -352,3 +356,25 @@ def test_pools_override_the_topologys_targets() -> None:
             {**topology.pools[0].model_dump(), "autoscaling": {"target_ongoing_requests": 0}},
             topology.pools[1].model_dump()]})
 
+
+
+def test_a_replica_reports_its_windows_latencies_for_operators() -> None:
+    """`tokenfab top` shows each replica's TTFT and ITL p50/p90 and tokens/s: its engine's
+    windows, the same samples the autoscaler reads."""
+    from types import SimpleNamespace
+
+    from pools.engine import Latency
+    from pools.vllm_engine import _LoadRecorder
+
+    recorder = _LoadRecorder(window_s=10.0)
+    assert recorder.latency() == Latency()  # nothing yet: zeros, shown as "-"
+    recorder.count_tokens(SimpleNamespace(
+        iteration_timestamp=1.0, num_generation_tokens=50,
+        prompt_token_stats=SimpleNamespace(computed=0, local_cache_hit=0, external_kv_transfer=0),
+        time_to_first_tokens_iter=[0.01 * i for i in range(1, 11)],
+        finished_requests=[SimpleNamespace(num_generation_tokens=8,
+                                           mean_time_per_output_token=0.02)]))
+    latency = recorder.latency()
+    assert (latency.ttft_p50_s, latency.ttft_p90_s) == (0.06, 0.1)
+    assert (latency.itl_p50_s, latency.itl_p90_s) == (0.02, 0.02)
+    assert latency.generation_tokens_per_s == 5.0  # 50 tokens over the 10 s window
