@@ -50,6 +50,13 @@ def dashboard_series(model: dict[str, Any] | None = None, rows: set[str] | None 
     return found
 
 
+def dashboard_queries(model: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """(panel title, expression) of every query of every panel."""
+    model = model or json.loads(DASHBOARD.read_text())
+    return [(panel["title"], target["expr"]) for panel in model["panels"]
+            for target in panel.get("targets", [])]
+
+
 def scrape(url: str, key: str | None = None) -> list[Any]:
     """Every sample a Prometheus endpoint exports now (presenting `key` as a bearer key)."""
     import httpx

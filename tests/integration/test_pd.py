@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +28,7 @@ from orchestrator.config import Topology
 from orchestrator.status import gateway_url
 from tests.integration.cases import CHATS, FALLBACK, PROMPTS
 from tests.integration.conftest import ROOT, TOKENFAB, up
-from tests.promql import dashboard_series, scrape
+from tests.promql import dashboard_queries, dashboard_series, parse, scrape, series
 
 
 TOPOLOGY = ROOT / "tests/integration/topology-pd.yaml"
@@ -242,6 +245,83 @@ def test_dashboard_reads_only_exported_series(pd: PD) -> None:
     ttft = {s.labels.get("ReplicaId") for s in engine
             if s.name == "ray_vllm_time_to_first_token_seconds_count" and s.value > 0}
     assert ttft & set(replicas), (ttft, replicas)  # vLLM's series join to this app's pools
+
+
+# Series that no request of this module produces, each with the reason; a panel that reads only
+# these may come back empty. Everything else the dashboard queries must return data.
+EXPECTED_EMPTY = {
+    "ray_tokenfab_autoscaler_desired_replicas": "this deployment's pools are fixed in size "
+                                                "(test_autoscaling scrapes the autoscaler's series)",
+    "ray_tokenfab_autoscaler_decisions_total": "as above",
+    "tokenfab_replica_expert_routed_tokens_total": "no mixture-of-experts engine here",
+    "tokenfab_gateway_rejections_total": "nothing is rejected (the panel shows rates above 0)",
+    "tokenfab_pd_skipped_total": "present once a request skips the prefill leg",
+    "tokenfab_pd_fallbacks_total": "present once a prefill leg fails",
+}
+
+
+def test_every_dashboard_panel_returns_data_from_a_real_prometheus(pd: PD, tmp_path) -> None:
+    """Prometheus (Debian's package, fetched by scripts/setup.sh) scrapes the gateway and Ray's
+    metrics agent each second while requests run; every query of every panel of the committed
+    dashboard, as Grafana sends it, returns data, or reads only series EXPECTED_EMPTY lists."""
+    binary = Path(sys.executable).parents[1] / "prometheus/usr/bin/prometheus"
+    assert binary.exists(), f"{binary} is missing: scripts/setup.sh fetches it"
+    gateway = httpx.URL(pd.root)
+    cluster = pd.topology.cluster
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({  # YAML is a superset of JSON
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": "gateway", "metrics_path": f"{gateway.path.rstrip('/')}/metrics",
+             "static_configs": [{"targets": [f"{gateway.host}:{gateway.port}"]}]},
+            {"job_name": "ray", "static_configs": [
+                {"targets": [f"{cluster.node_ip}:{cluster.metrics_export_port}"]}]}]}))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(binary), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", trust_env=False, timeout=10)
+
+    def scraping() -> bool:
+        try:
+            targets = api.get("/targets").json()["data"]["activeTargets"]
+        except httpx.HTTPError:
+            return False
+        return len(targets) == 2 and all(t["health"] == "up" for t in targets)
+
+    def without_data() -> list[str]:
+        found = []
+        for title, expr in dashboard_queries():
+            query = expr.replace("$__rate_interval", "30s")
+            answer = api.get("/query", params={"query": query}).json()
+            assert answer["status"] == "success", (title, query, answer)
+            if not answer["data"]["result"] and not series(parse(expr)) <= set(EXPECTED_EMPTY):
+                found.append(f"{title}: {expr}")
+        return found
+
+    try:
+        deadline = time.monotonic() + 60
+        while not scraping():
+            assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+        for i in range(12):  # traffic over a few scrapes: rates and histograms need two points
+            for stream in (False, True):
+                response = pd.http.post("/completions", json={
+                    "model": MODEL, "prompt": f"panel {i} " + "green north " * 60,
+                    "max_tokens": 8, "stream": stream})
+                assert response.status_code == 200, response.text
+            time.sleep(0.5)
+        deadline = time.monotonic() + 60  # Ray's agent exports what engines recorded every few s
+        while (missing := without_data()) and time.monotonic() < deadline:
+            time.sleep(2)
+        assert missing == [], f"panels with no data: {missing}"
+    finally:
+        api.close()
+        server.terminate()
+        server.wait(10)
 
 
 def test_unreachable_side_channel_recomputes(pd: PD, handles) -> None:

@@ -39,3 +39,15 @@ def test_series_are_found_through_joins_and_functions() -> None:
         "histogram_quantile(0.9, sum by (pool, le) (rate(a_bucket[$__rate_interval]) "
         "* on (ReplicaId) group_left (pool) b_info)) / -(c)"}]}]})
     assert found == {"a_bucket", "b_info", "c"}
+
+
+def test_the_docs_list_every_panel() -> None:
+    """docs/observability.md lists the committed dashboard's panels, row by row."""
+    rows: list[tuple[str, list[str]]] = []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel.get("type") == "row":
+            rows.append((panel["title"], []))
+        else:
+            rows[-1][1].append(panel["title"])
+    listed = "\n".join(f"- **{row}**: " + "; ".join(panels) + "." for row, panels in rows)
+    assert listed in (DASHBOARD.parents[2] / "docs/observability.md").read_text()
