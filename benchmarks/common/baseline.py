@@ -184,11 +184,15 @@ def check_prefix_inputs(url: str, metrics_port: int) -> None:
 def prefix_outcomes(metrics: str) -> dict[str, float]:
     """vllm-router's cache_aware decisions by outcome, summed over stages, from its Prometheus
     text: `prefix_hit`, `prefix_miss`, `load_imbalance`, `missing_tokens`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     outcomes: dict[str, float] = {}
-    for line in metrics.splitlines():
-        if line.startswith("vllm_router_prefix_routing_decisions_total{") and 'outcome="' in line:
-            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
-            outcomes[outcome] = outcomes.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "vllm_router_prefix_routing_decisions_total" \
+                    and "outcome" in sample.labels:
+                outcome = sample.labels["outcome"]
+                outcomes[outcome] = outcomes.get(outcome, 0.0) + sample.value
     return outcomes
 
 

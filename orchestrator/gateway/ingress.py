@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from functools import partial
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -101,11 +100,14 @@ def colocated_ingresses(reports: list[ReplicaReport], own_id: str) -> int | None
     return len({r.replica_id for r in reports if r.state == "ready"} | {own_id})
 
 
-def _count_ready(admission: Admission, pool: str, reports: list[ReplicaReport]) -> None:
-    """Tell admission how many of a fixed pool's replicas are ready (none listed: it keeps the
-    count it had, as a registry read that lists nothing says nothing new)."""
-    if reports:
-        admission.set_replicas(pool, sum(r.state == "ready" for r in reports) or 1)
+def ready_replicas(reports: list[ReplicaReport]) -> int | None:
+    """How many of a fixed pool's replicas are ready (at least 1: one is on its way); None when
+    the registry lists none of them, a read that says nothing new.
+
+    Example: reports ready, ready, draining -> 2; one starting -> 1; none -> None."""
+    if not reports:
+        return None
+    return max(1, sum(report.state == "ready" for report in reports))
 
 
 def _waker(handle: DeploymentHandle[Any]) -> Callable[[], Awaitable[None]]:
@@ -186,26 +188,28 @@ class Ingress:
         # the deployed document does not say how many replicas a fixed pool has: the registry
         # does. Its pools' capacity bounds admission; with colocate, the first pool's replicas
         # are the ingresses sharing the limits
-        listeners: dict[str, list[Callable[[list[ReplicaReport]], None]]] = {}
-        for pool in topology_.pools:
-            if not topology_.autoscaled(pool):
-                listeners.setdefault(pool.name, []).append(partial(_count_ready, admission,
-                                                                   pool.name))
-        if gateway.colocate:  # every replica of the pool is an ingress: they share the limits
-            def count(reports: list[ReplicaReport]) -> None:
-                if (ingresses := colocated_ingresses(reports, replica_id)) is not None:
-                    admission.set_ingresses(ingresses)
+        def follow(pool: PoolSpec) -> Callable[[list[ReplicaReport]], None] | None:
+            fixed = not topology_.autoscaled(pool)
+            ingresses = gateway.colocate and pool is topology_.pools[0]
+            if not (fixed or ingresses):
+                return None
 
-            listeners.setdefault(topology_.pools[0].name, []).append(count)
-        for name, pool_listeners in listeners.items():
-            for listener in pool_listeners:
-                self._directory.listen(name, listener)
+            def heard(reports: list[ReplicaReport]) -> None:
+                if fixed and (ready := ready_replicas(reports)) is not None:
+                    admission.set_replicas(pool.name, ready)
+                if ingresses and (count := colocated_ingresses(reports, replica_id)) is not None:
+                    admission.set_ingresses(count)
+            return heard
+
+        listeners = {pool.name: heard for pool in topology_.pools
+                     if (heard := follow(pool)) is not None}
+        for name, listener in listeners.items():
+            self._directory.listen(name, listener)
         if listeners:
             try:
                 reports = await self._directory.snapshot()
-                for name, pool_listeners in listeners.items():
-                    for listener in pool_listeners:
-                        listener([r for r in reports if r.pool == name])
+                for name, listener in listeners.items():
+                    listener([r for r in reports if r.pool == name])
             except Exception as exc:  # noqa: BLE001 - the next read of the registry brings them
                 logger.warning("gateway %s: replica registry unavailable: %r", replica_id, exc)
         self._directory_task = asyncio.create_task(self._directory.run(), name="replica-directory")

@@ -386,7 +386,7 @@ def test_a_running_gateway_takes_a_fixed_pools_size_from_the_registry() -> None:
     from orchestrator.deploy import _without_counts
     from orchestrator.config import parse_topology
     from orchestrator.gateway.admission import pool_capacity
-    from orchestrator.gateway.ingress import _count_ready
+    from orchestrator.gateway.ingress import ready_replicas
     from pools.engine import LoadSnapshot
     from pools.registry import ReplicaReport
 
@@ -404,10 +404,11 @@ def test_a_running_gateway_takes_a_fixed_pools_size_from_the_registry() -> None:
                              node_ip="127.0.0.1", pid=1, cores=[], state=state,
                              load=LoadSnapshot())
 
-    _count_ready(admission, "main", [report("a", "ready"), report("b", "ready"),
-                                     report("c", "draining")])
+    ready = ready_replicas([report("a", "ready"), report("b", "ready"), report("c", "draining")])
+    assert ready == 2
+    admission.set_replicas("main", ready)
     assert admission.queue.capacity == 64
-    _count_ready(admission, "main", [])  # a read that lists nothing: the count stays
-    assert admission.queue.capacity == 64
-    _count_ready(admission, "main", [report("a", "ready")])
+    assert ready_replicas([]) is None  # a read that lists nothing: nothing to tell admission
+    assert ready_replicas([report("a", "starting")]) == 1
+    admission.set_replicas("main", 1)
     assert admission.queue.capacity == 32
